@@ -1,0 +1,53 @@
+"""`pagedserve` command line: one sub-command per module, each registering its own arguments.
+
+Sub-command modules expose `register(subparsers)`; the parser they add carries `func=run(args)`.
+Modules are imported lazily per command so `pagedserve plan` never imports torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command name, module that registers it)
+_COMMANDS = [
+    ("serve", "pagedserve.server.cli"),
+    ("generate", "pagedserve.cli_generate"),
+    ("chat", "pagedserve.cli_chat"),
+    ("bench", "pagedserve.bench.cli"),
+    ("plan", "pagedserve.plan"),
+    ("eval", "pagedserve.eval.cli"),
+]
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving engine")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in _COMMANDS:
+        if only is not None and name != only:
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("pagedserve"):
+                continue  # command not built yet in this checkout
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    first = next((a for a in argv if not a.startswith("-")), None)
+    known = {n for n, _ in _COMMANDS}
+    parser = build_parser(only=first if first in known else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""EngineConfig: every engine knob in one place, named as vLLM names it, validated once.
+
+The CLI, the Python API and the server all build this object; anything that cannot work fails
+here, at start, with a message that names the flag to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from pagedserve.errors import ConfigError
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or hub name; None → the embedded default
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 2048 (chunked) or max_model_len
+    max_model_len: int | None = None  # default: the model's limit
+    block_size: int = 16
+    kv_cache_space: float = 4.0  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    num_threads: int | None = None  # CPU threads for torch; default: physical cores
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    revision: str | None = None
+    # resolved at load time (not user knobs)
+    extra: dict = field(default_factory=dict)
+
+    def validate_static(self) -> None:
+        """Checks that need no model: run before anything heavy is loaded."""
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(
+                f"block_size={self.block_size} is not supported; use one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))} (--block-size)"
+            )
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs} (--max-num-seqs)")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; use auto, float32, bfloat16 or float16 (--dtype)")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization} (--gpu-memory-utilization)"
+            )
+        if self.kv_cache_space <= 0:
+            raise ConfigError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space} (--kv-cache-space)")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError("num_gpu_blocks_override must be >= 1 (--num-gpu-blocks-override)")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use --tensor-parallel-size 1"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len must be >= 1 (--max-model-len)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1 (--max-num-batched-tokens)")
+
+    def resolve(self, model_max_len: int, sliding_window: int | None = None) -> None:
+        """Fill the defaults that depend on the model and check the combinations."""
+        self.validate_static()
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+            if sliding_window is not None and sliding_window < self.max_model_len:
+                # Within the window, sliding-window attention IS full attention: cap the length.
+                self.max_model_len = sliding_window
+        elif self.max_model_len > model_max_len:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} is above the model's limit of {model_max_len} tokens; "
+                f"use --max-model-len {model_max_len} or less"
+            )
+        if sliding_window is not None and self.max_model_len > sliding_window:
+            raise ConfigError(
+                f"this model uses sliding-window attention (window {sliding_window}), which pagedserve does not "
+                f"implement yet; use --max-model-len {sliding_window} or less (attention is then exact)"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                max(2048, self.max_num_seqs) if self.enable_chunked_prefill else max(self.max_model_len, self.max_num_seqs)
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len={self.max_model_len} "
+                "with chunked prefill off, so long prompts could never be scheduled; raise --max-num-batched-tokens to "
+                f"{self.max_model_len}, lower --max-model-len, or enable chunked prefill"
+            )
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def default_num_threads() -> int:
+    """Physical cores: hyper-threads share one core's FMA units and only add contention in GEMMs."""
+    try:
+        cores = set()
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                    cores.add((phys, core))
+        n = len(cores)
+    except OSError:
+        n = 0
+    avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n or avail, avail))

@@ -1,0 +1,257 @@
+"""LLMEngine: requests in, one scheduled model step at a time, RequestOutputs out."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedserve.config import EngineConfig, default_num_threads
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.sequence import Request, Sequence, SequenceStatus
+from pagedserve.engine.stats import EngineStats
+from pagedserve.errors import InvalidRequestError
+from pagedserve.runner.kv_cache import GiB, KVCache, bytes_per_block, check_fits, num_blocks_for_budget
+from pagedserve.runner.model_runner import ModelRunner
+from pagedserve.sampling_params import SamplingParams
+
+log = logging.getLogger("pagedserve")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate_static()
+        self.config = config
+        self.device = _resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or default_num_threads())
+            # dequantized / small-magnitude weights produce denormals that slow x86 FP units many-fold
+            torch.set_flush_denormal(True)
+        torch.manual_seed(config.seed)
+        if config.model is None:
+            from pagedserve.default_model import default_model_path
+
+            config.model = str(default_model_path())
+        from pagedserve.model.loader import load_model
+
+        t0 = time.time()
+        loaded = load_model(config.model, dtype=config.dtype, device=self.device, max_positions=config.max_model_len,
+                            tokenizer=config.tokenizer, revision=config.revision)
+        self.spec = loaded.spec
+        self.tokenizer = loaded.tokenizer
+        self.eos_ids = loaded.generation_eos_ids
+        config.resolve(model_max_len=self.spec.max_position_embeddings, sliding_window=self.spec.sliding_window)
+        self.dtype = next(loaded.model.parameters()).dtype
+        if config.served_model_name is None:
+            config.served_model_name = config.model
+        num_blocks = num_blocks_for_budget(config, self.spec, self.dtype, self._kv_budget_bytes(loaded.model))
+        check_fits(config, num_blocks)
+        self.kv_cache = KVCache(self.spec, num_blocks, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device, self.eos_ids, config.seed)
+        self.requests: dict[str, Request] = {}
+        self._step_prompt_tokens = 0
+        self._step_generation_tokens = 0
+        tokens = num_blocks * config.block_size
+        log.info(
+            "loaded %s (%s, %s) on %s in %.1fs; attention: %s; KV cache: %d blocks x %d tokens = %d tokens "
+            "(%.2f GiB), %.1f sequences of max_model_len=%d fit",
+            config.model, self.spec.architecture, str(self.dtype).replace("torch.", ""), self.device, time.time() - t0,
+            self.runner.backend.name, num_blocks, config.block_size, tokens,
+            num_blocks * bytes_per_block(self.spec, config.block_size, self.dtype) / GiB,
+            tokens / config.max_model_len, config.max_model_len,
+        )
+
+    def _kv_budget_bytes(self, model) -> int:
+        if self.device.type != "cuda":
+            return int(self.config.kv_cache_space * GiB)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        # activations of one max-size step (hidden states, qkv, MLP, logits), with headroom
+        s = self.spec
+        per_token = 4 * (3 * s.hidden_size + s.num_heads * s.head_dim * 3 + 2 * s.intermediate_size) * 2
+        act = self.config.max_num_batched_tokens * per_token + self.config.max_num_seqs * s.vocab_size * 4 * 2
+        return int(total * self.config.gpu_memory_utilization - weights - act - used_by_others)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        cfg = self.config
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if prompt_token_ids is None:
+            if prompt is None or (isinstance(prompt, str) and not prompt):
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        vocab = self.spec.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < vocab):
+                raise InvalidRequestError(f"token id {t!r} is out of vocabulary range [0, {vocab})", "prompt")
+        params.validate(cfg.max_logprobs)
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= cfg.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens, but the prompt has {n_prompt} "
+                "tokens; shorten the prompt", "prompt")
+        if params.max_tokens is None:
+            params.max_tokens = cfg.max_model_len - n_prompt
+        if n_prompt + params.max_tokens > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
+                f"{n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, {params.max_tokens} for the "
+                "completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        need = self.block_manager.blocks_for(n_prompt + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {need} KV blocks but the whole cache holds {self.block_manager.num_blocks}; "
+                "reduce max_tokens or the prompt", "max_tokens")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.eos_ids)
+        params._all_stop_token_ids = stop_ids
+        req = Request(request_id, prompt, prompt_token_ids, params,
+                      arrival_time=arrival_time if arrival_time is not None else time.time())
+        for seq in req.seqs:
+            if params.detokenize:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
+                                                   params.skip_special_tokens)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.remove(seq)
+                self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._step_prompt_tokens = self._step_generation_tokens = 0
+        if sched.is_empty:
+            return []
+        now = time.time()
+        for e in sched.scheduled:
+            m = e.seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        result = self.runner.execute(sched)
+        bm = self.block_manager
+        for e in sched.scheduled:
+            seq = e.seq
+            seq.num_computed_tokens = e.start + e.num_new_tokens
+            bm.commit_computed_blocks(seq, seq.request.lora_key)
+            if e.num_new_tokens > 1 or e.start < seq.prompt_len:
+                self._step_prompt_tokens += e.num_new_tokens
+        for e, entries in result.prompt_logprobs:
+            req = e.seq.request
+            req.prompt_logprobs.extend(self._logprob_dict(t) for t in entries)
+        touched: dict[str, Request] = {}
+        now = time.time()
+        for e, tok in result.sampled:
+            seq = e.seq
+            self._append_token(seq, tok, now)
+            touched[seq.request.request_id] = seq.request
+        self._step_generation_tokens = len(result.sampled)
+        outputs = [self._make_output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok, now: float) -> None:
+        p = seq.params
+        seq.token_ids.append(tok.token_id)
+        m = seq.request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.num_generation_tokens += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(tok))
+            seq.cumulative_logprob += tok.logprob
+        n_out = seq.num_output_tokens
+        can_stop = n_out >= p.min_tokens
+        if tok.token_id in p._all_stop_token_ids and can_stop:
+            seq.stop_reason = tok.token_id if tok.token_id in p.stop_token_ids else None
+            self._finish(seq, "stop")
+            return
+        if seq.detok is not None:
+            seq.detok.add_tokens(seq.token_ids, check_stop=can_stop)
+            if seq.detok.stopped_on is not None:
+                seq.stop_reason = seq.detok.stopped_on
+                self._finish(seq, "stop")
+                return
+        if n_out >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is not SequenceStatus.FINISHED:
+            if reason != "abort":
+                self.scheduler.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            m = seq.request.metrics
+            m.finished_time = time.time()
+
+    def _logprob_dict(self, tok) -> dict[int, Logprob]:
+        dec = self.tokenizer.decode
+        d = {tok.token_id: Logprob(tok.logprob, tok.rank, dec([tok.token_id]))}
+        for i, (tid, lp) in enumerate(tok.top or []):
+            if tid not in d:
+                d[tid] = Logprob(lp, i + 1, dec([tid]))
+        return d
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            text = seq.detok.visible_text(seq.finished) if seq.detok is not None else ""
+            outs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+                             outs, req.finished, req.metrics)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        sch = self.scheduler
+        return EngineStats(
+            num_running=len(sch.running), num_waiting=len(sch.waiting), kv_cache_usage=bm.usage(),
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_preemptions_total=sch.num_preemptions, prefix_cache_queries=bm.query_tokens,
+            prefix_cache_hits=bm.hit_tokens, step_prompt_tokens=self._step_prompt_tokens,
+            step_generation_tokens=self._step_generation_tokens,
+            num_waiting_tokens=sum(s.num_tokens for s in sch.waiting),
+        )

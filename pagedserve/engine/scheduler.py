@@ -1,0 +1,127 @@
+"""Continuous-batching scheduler: which tokens of which sequences run this step.
+
+Each step packs the running sequences first (decodes, or the next chunk of a prefill), then
+admits waiting sequences in arrival order, all within `max_num_seqs` and the token budget
+`max_num_batched_tokens`. A prompt longer than the remaining budget is split across steps
+(chunked prefill). When the pool runs out of blocks, the most recently admitted running
+sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+Pure Python: no torch.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    # the KV of tokens [start, start + num_new_tokens) is computed this step
+    start: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._admit_counter = itertools.count()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a (finished or aborted) sequence out of the queues and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.bm.free_seq(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.bm
+
+        # 1. Running sequences, oldest admission first; preempt from the newest end when short.
+        queue = deque(self.running)
+        still_running: list[Sequence] = []
+        while queue:
+            seq = queue.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                still_running.append(seq)
+                continue
+            target = seq.num_computed_tokens + n
+            while not bm.can_grow(seq, target):
+                if queue:
+                    self._preempt(queue.pop(), out)
+                else:
+                    self._preempt(seq, out)
+                    seq = None
+                    break
+            if seq is None:
+                break
+            bm.grow(seq, target)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+            still_running.append(seq)
+        self.running = still_running
+
+        # 2. Waiting sequences in arrival order (none admitted in a step that had to preempt).
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            wants_prompt_logprobs = seq.request.prompt_logprobs is not None
+            if not wants_prompt_logprobs:  # cached tokens would have no prompt logprobs
+                seq.num_computed_tokens = bm.match_prefix(seq, seq.request.lora_key)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if (n < remaining and not self.enable_chunked_prefill) or not bm.can_grow(seq, seq.num_computed_tokens + n):
+                if seq.block_table:
+                    bm.undo_match(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            bm.grow(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            seq.admit_order = next(self._admit_counter)
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+            budget -= n
+        return out

@@ -1,0 +1,29 @@
+"""What attention needs to know about one flat, padding-free token batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence of the batch with more than one new token (a prompt or a prompt chunk)."""
+
+    q_start: int  # its tokens in the flat batch: [q_start, q_end)
+    q_end: int
+    context_len: int  # tokens of context after this step (earlier chunks + this one)
+    context_slots: torch.Tensor | None  # cache slots of the whole context; None when no earlier chunk
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of every new token
+    num_decode_tokens: int  # the batch starts with this many one-token sequences
+    decode_slots: torch.Tensor | None  # [B_decode, max_context] int64 cache slots (padded)
+    decode_mask: torch.Tensor | None  # [B_decode, 1, 1, max_context] bool: True where a key is real
+    prefills: list[PrefillSpan]
+    # kernel-style views of the same batch (used by CUDA kernels; cheap to build)
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32
+    query_start_loc: torch.Tensor | None = None  # [B+1] int32

