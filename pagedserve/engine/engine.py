@@ -59,7 +59,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device, self.eos_ids, config.seed)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
@@ -118,11 +118,7 @@ class LLMEngine:
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
                 f"{n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, {params.max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.", "max_tokens")
-        need = self.block_manager.blocks_for(n_prompt + params.max_tokens)
-        if need > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs {need} KV blocks but the whole cache holds {self.block_manager.num_blocks}; "
-                "reduce max_tokens or the prompt", "max_tokens")
+        # (the pool holds at least one max_model_len sequence: check_fits at start-up)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.eos_ids)

@@ -24,14 +24,13 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device, eos_ids: list[int], seed: int):
+    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device, seed: int):
         self.model = model
         self.kv = kv_cache
         self.block_size = block_size
         self.device = device
         self.backend = select_backend(device)
         self.sampler = Sampler(seed)
-        self.eos_ids = eos_ids
         self.vocab_size = model.spec.vocab_size
 
     # ---- batch construction -----------------------------------------------------------------
@@ -95,7 +94,7 @@ class ModelRunner:
         if sampling:
             rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
             logits = self.model.compute_logits(hidden[rows])
-            batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.eos_ids, self.device)
+            batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.device)
             tokens = self.sampler(logits, batch)
             result.sampled = [(e, t) for (_, e), t in zip(sampling, tokens)]
 

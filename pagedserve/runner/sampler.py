@@ -27,7 +27,7 @@ class SampledToken:
 class SamplingBatch:
     """The per-row parameters of the sequences that sample this step, as tensors."""
 
-    def __init__(self, seqs: list[Sequence], vocab_size: int, eos_ids: list[int], device: torch.device):
+    def __init__(self, seqs: list[Sequence], vocab_size: int, device: torch.device):
         self.seqs = seqs
         ps = [s.params for s in seqs]
         self.device = device
@@ -52,7 +52,7 @@ class SamplingBatch:
         self.min_token_masks = []
         for i, (s, p) in enumerate(zip(seqs, ps)):
             if p.min_tokens and s.num_output_tokens < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+                ids = p._all_stop_token_ids  # stop ids plus EOS unless ignore_eos
                 if ids:
                     self.min_token_masks.append((i, sorted(ids)))
 
