@@ -12,8 +12,12 @@ from pagedserve.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.llm_engine = LLMEngine(kwargs.pop("config", None) or EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        return cls(config=config)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

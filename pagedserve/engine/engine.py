@@ -9,6 +9,7 @@ import torch
 from pagedserve.config import EngineConfig, default_num_threads
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.profiler import NULL_PHASE, StepProfiler
 from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import Request, Sequence, SequenceStatus
@@ -61,6 +62,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device, config.seed)
         self.requests: dict[str, Request] = {}
+        self.profiler: StepProfiler | None = None  # set to a StepProfiler to time each phase
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
         tokens = num_blocks * config.block_size
@@ -148,17 +150,28 @@ class LLMEngine:
         return self.requests.get(request_id)
 
     # ---- stepping ---------------------------------------------------------------------------
+    def _phase(self, name: str):
+        return self.profiler.phase(name) if self.profiler is not None else NULL_PHASE
+
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        with self._phase("schedule"):
+            sched = self.scheduler.schedule()
         self._step_prompt_tokens = self._step_generation_tokens = 0
         if sched.is_empty:
             return []
+        if self.profiler is not None:
+            self.profiler.steps += 1
+            self.profiler.seqs += len(sched.scheduled)
         now = time.time()
         for e in sched.scheduled:
             m = e.seq.request.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched, self._phase)
+        with self._phase("postprocess"):
+            return self._process_result(sched, result)
+
+    def _process_result(self, sched, result) -> list[RequestOutput]:
         bm = self.block_manager
         for e in sched.scheduled:
             seq = e.seq

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.engine.profiler import NULL_PHASE
 from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedserve.model.attention import AttentionMetadata, select_backend
 from pagedserve.model.attention.metadata import PrefillSpan
@@ -83,11 +84,18 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        # decodes first so attention can batch them in one call
-        entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
-        input_ids, positions, meta, cu = self._prepare(entries)
-        hidden = self.model(input_ids, positions, meta, self.kv.layers, self.backend)
+    def execute(self, sched: SchedulerOutput, phase=None) -> StepResult:
+        phase = phase or (lambda name: NULL_PHASE)
+        with phase("prepare_inputs"):
+            # decodes first so attention can batch them in one call
+            entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
+            input_ids, positions, meta, cu = self._prepare(entries)
+        with phase("forward"):
+            hidden = self.model(input_ids, positions, meta, self.kv.layers, self.backend)
+        with phase("sample"):
+            return self._sample(entries, hidden, cu)
+
+    def _sample(self, entries, hidden, cu) -> StepResult:
         result = StepResult()
 
         sampling = [(i, e) for i, e in enumerate(entries) if e.start + e.num_new_tokens == e.seq.num_tokens]

@@ -1,0 +1,51 @@
+"""The command line, as a user runs it."""
+import json
+import os
+import subprocess
+import sys
+
+from hf_reference import hf_greedy
+
+
+def _run(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "pagedserve", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_generate_prints_the_greedy_completion(llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(llama_dir))
+    r = _run("generate", "--model", str(llama_dir), "--prompt", "Once upon a time", "--max-tokens", "12",
+             "--ignore-eos", "--num-gpu-blocks-override", "128")
+    assert r.returncode == 0, r.stderr
+    ref = hf_greedy(str(llama_dir), tuple(tok.encode("Once upon a time")), 12)
+    assert r.stdout == tok.decode(ref, skip_special_tokens=True) + "\n"
+
+
+def test_generate_bad_input_is_one_line(llama_dir):
+    r = _run("generate", "--model", str(llama_dir), "--prompt", "hi", "--max-tokens", "0", "--num-gpu-blocks-override", "128")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "max_tokens" in r.stderr
+    r = _run("generate", "--model", str(llama_dir), "--prompt", "hi", "--block-size", "24")
+    assert r.returncode == 2 and "--block-size" in r.stderr and "Traceback" not in r.stderr
+    r = _run("generate", "--model", str(llama_dir), "--prompt", "hi", "--quantization", "awq")
+    assert r.returncode == 2 and "does not support --quantization" in r.stderr
+
+
+def test_bench_throughput_reports_figures(tmp_path):
+    out = tmp_path / "r.json"
+    r = _run("bench", "throughput", "--model", "small", "--workload", "W2", "--num-prompts", "3",
+             "--output-json", str(out), "--profile", "--kv-cache-space", "1", env={"PAGEDSERVE_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["requests"] == 3 and res["output_tokens"] > 0
+    assert res["pagedserve"]["output_tokens_per_s"] > 0 and res["pagedserve"]["seconds_median"] > 0
+    assert "engine overhead" in r.stdout and "out tok/s" in r.stdout
+    assert res["profile"]["steps"] > 0
+
+
+def test_help_for_every_command():
+    for cmd in (["--help"], ["generate", "--help"], ["bench", "throughput", "--help"], ["bench", "serve", "--help"],
+                ["plan", "--help"]):
+        r = _run(*cmd)
+        assert r.returncode == 0 and "usage" in r.stdout.lower(), (cmd, r.stderr)
