@@ -51,7 +51,15 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be at least 1, got {self.n}.", "n")
-        if self.temperature is None or self.temperature < 0:
+        import math
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(f"{name} must be a finite number, got {v!r}.", name)
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
+            bad(f"seed must fit in a signed 64-bit integer, got {self.seed}.", "seed")
+        if self.temperature < 0:
             bad(f"temperature must be non-negative, got {self.temperature}.", "temperature")
         if not (0.0 < self.top_p <= 1.0):
             bad(f"top_p must be in (0, 1], got {self.top_p}.", "top_p")

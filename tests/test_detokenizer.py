@@ -62,3 +62,14 @@ def test_engine_stream_deltas_join_to_final_text(llama_dir):
             shown = text
             final = o
     assert final.finished and shown == llm.get_tokenizer().decode(final.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_trailing_partial_character_is_flushed_at_the_end(tok):
+    ids = tok.encode("🙂", add_special_tokens=False)
+    assert len(ids) > 1
+    d = IncrementalDetokenizer(tok, tok.encode("Hi"), [], False)
+    full = tok.encode("Hi") + ids[:1]
+    d.add_tokens(full)
+    assert d.visible_text(False) == ""
+    d.flush(full)
+    assert d.visible_text(True) == tok.decode(ids[:1]) and "\ufffd" in d.text

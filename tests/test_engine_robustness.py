@@ -101,3 +101,14 @@ def test_engine_config_defaults_follow_vllm():
     c = EngineConfig()
     assert (c.max_num_seqs, c.block_size, c.gpu_memory_utilization, c.enable_prefix_caching, c.enable_chunked_prefill) == (
         256, 16, 0.9, True, True)
+
+
+@pytest.mark.parametrize("params, param", [
+    (SamplingParams(temperature=float("nan")), "temperature"),
+    (SamplingParams(top_p=float("inf")), "top_p"),
+    (SamplingParams(seed=2**70), "seed"),
+])
+def test_non_finite_and_out_of_range_values_are_refused(llm, params, param):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate("hello", params)
+    assert e.value.param == param

@@ -113,12 +113,17 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.last_block_key = None
 
-    def commit_computed_blocks(self, seq: Sequence, extra=None) -> None:
-        """Register a hash for every full block whose tokens are all computed."""
+    def commit_blocks(self, seq: Sequence, num_tokens: int, extra=None) -> None:
+        """Register a hash for every full block among seq's first num_tokens tokens.
+
+        Called when those tokens are scheduled, before they are computed: a request admitted later
+        in the same step may then share them, because every layer writes the whole batch's K/V into
+        the cache before any sequence's attention reads it.
+        """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = seq.num_computed_tokens // bs
+        full = num_tokens // bs
         parent = seq.last_block_key
         for i in range(seq.num_hashed_blocks, full):
             key = self._key(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), extra)

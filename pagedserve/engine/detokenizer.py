@@ -37,6 +37,17 @@ class IncrementalDetokenizer:
             self.read_offset = len(token_ids)
             self._append(new, check_stop)
 
+    def flush(self, token_ids: list[int]) -> None:
+        """At the end: emit what is still pending, even an incomplete character (as U+FFFD)."""
+        if self.read_offset >= len(token_ids) or self.stopped_on is not None:
+            return
+        dec = self.tokenizer.decode
+        prefix = dec(token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
+        full = dec(token_ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
+        self.read_offset = len(token_ids)
+        if len(full) > len(prefix):
+            self._append(full[len(prefix):], check_stop=False)
+
     def _append(self, new: str, check_stop: bool) -> None:
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += new

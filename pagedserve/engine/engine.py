@@ -172,11 +172,9 @@ class LLMEngine:
             return self._process_result(sched, result)
 
     def _process_result(self, sched, result) -> list[RequestOutput]:
-        bm = self.block_manager
         for e in sched.scheduled:
             seq = e.seq
             seq.num_computed_tokens = e.start + e.num_new_tokens
-            bm.commit_computed_blocks(seq, seq.request.lora_key)
             if e.num_new_tokens > 1 or e.start < seq.prompt_len:
                 self._step_prompt_tokens += e.num_new_tokens
         for e, entries in result.prompt_logprobs:
@@ -227,6 +225,8 @@ class LLMEngine:
                 self.scheduler.remove(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
+            if seq.detok is not None and reason != "abort":
+                seq.detok.flush(seq.token_ids)
             m = seq.request.metrics
             m.finished_time = time.time()
 

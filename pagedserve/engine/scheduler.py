@@ -97,6 +97,7 @@ class Scheduler:
             if seq is None:
                 break
             bm.grow(seq, target)
+            bm.commit_blocks(seq, target, seq.request.lora_key)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
             still_running.append(seq)
@@ -119,6 +120,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.grow(seq, seq.num_computed_tokens + n)
+            bm.commit_blocks(seq, seq.num_computed_tokens + n, seq.request.lora_key)
             seq.status = SequenceStatus.RUNNING
             seq.admit_order = next(self._admit_counter)
             self.running.append(seq)

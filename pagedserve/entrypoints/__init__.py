@@ -1,0 +1,1 @@
+"""vLLM-style entry points (`python -m pagedserve.entrypoints.openai.api_server`)."""

@@ -1,0 +1,226 @@
+"""The FastAPI application: OpenAI-compatible routes over an AsyncEngine.
+
+`build_app(async_engine, args)` wires routes, error handling (OpenAI error bodies; 400 for every
+kind of bad input, never 422/500), the optional API key, and metrics. The app's lifespan starts
+the engine thread and, on shutdown, lets in-flight requests finish (up to --shutdown-timeout)
+before aborting the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import logging
+import os
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.errors import InvalidRequestError
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    error_body,
+)
+from pagedserve.server.serving_chat import OpenAIServingChat
+from pagedserve.server.serving_completions import OpenAIServingCompletion, ServingContext, default_ping_seconds
+
+logger = logging.getLogger("pagedserve.server")
+
+# Paths that stay reachable without the API key (load balancers and Prometheus scrape them).
+OPEN_PATHS = ("/health", "/metrics", "/version", "/ping")
+
+
+def _version() -> str:
+    try:
+        from pagedserve import __version__
+
+        return __version__
+    except ImportError:  # pragma: no cover
+        return "unknown"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file path, or the Jinja template itself."""
+    if value is None:
+        return None
+    p = Path(value).expanduser()
+    try:
+        if p.is_file():
+            return p.read_text()
+    except OSError:
+        pass
+    if "{" not in value and ("/" in value or value.endswith((".jinja", ".j2", ".txt"))):
+        raise ValueError(f"--chat-template: no such file: {value}")
+    if "\\n" in value and "\n" not in value:  # a one-line template from a shell: unescape newlines
+        value = value.replace("\\n", "\n")
+    return value
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (keeps streaming and disconnect detection intact)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope.get("path", "") in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = b""
+        for k, v in scope.get("headers") or ():
+            if k == b"authorization":
+                auth = v
+                break
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        msg = "Missing API key." if not auth else "Incorrect API key provided."
+        resp = JSONResponse(error_body(msg, 401, param=None, code="invalid_api_key"), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.status_code, e.type, e.param, e.code), status_code=e.status_code,
+                        headers=e.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"Invalid JSON in the request body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return ("; ".join(parts) or "Invalid request."), param
+
+
+def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None) -> FastAPI:
+    args = args or argparse.Namespace()
+    engine = async_engine.engine
+    cfg = engine.config
+    names = getattr(args, "served_model_name", None) or []
+    if isinstance(names, str):
+        names = [names]
+    names = list(names) or [cfg.served_model_name or str(cfg.model)]
+    spec = getattr(engine, "spec", None)
+    vocab = getattr(spec, "vocab_size", None) or len(engine.tokenizer)
+    shutdown_timeout = float(getattr(args, "shutdown_timeout", 30.0) or 0.0)
+
+    metrics = ServerMetrics(names[0], cfg.max_model_len or 8192, stats_fn=async_engine.stats)
+    async_engine.observer = metrics
+    ctx = ServingContext(
+        engine=async_engine,
+        served_model_names=names,
+        model_path=str(cfg.model),
+        max_model_len=cfg.max_model_len,
+        vocab_size=vocab,
+        max_logprobs=cfg.max_logprobs,
+        metrics=metrics,
+        chat_template=load_chat_template(getattr(args, "chat_template", None)),
+        log_requests=not getattr(args, "disable_log_requests", False),
+        ping_seconds=default_ping_seconds(),
+    )
+    completions = OpenAIServingCompletion(ctx)
+    chat = OpenAIServingChat(ctx)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.shutdown(timeout=shutdown_timeout)
+
+    app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.async_engine = async_engine
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+
+    # -- errors: OpenAI's body, 400 for any bad input --------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, e: InvalidRequestError):
+        return _error_response(APIError(str(e), 400, param=e.param))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        msg, param = _validation_message(e)
+        return _error_response(APIError(msg, 400, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return _error_response(APIError(str(e.detail), e.status_code, headers=getattr(e, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        logger.exception("unhandled error")
+        return _error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500))
+
+    api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDSERVE_API_KEY") or None
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    # -- routes ---------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if async_engine.is_alive():
+            return Response(status_code=200)
+        return JSONResponse(error_body("the engine is not running", 503, code="engine_dead"), status_code=503)
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=n, root=ctx.model_path, max_model_len=ctx.max_model_len)
+                               for n in names]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        completions.check_model(model_id)
+        return ModelCard(id=model_id, root=ctx.model_path, max_model_len=ctx.max_model_len).model_dump()
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        return await completions.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return await completions.detokenize(request)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, ctype = metrics.render()
+        return Response(content=body, media_type=ctype)
+
+    return app

@@ -1,0 +1,144 @@
+"""`pagedserve serve`: the OpenAI-compatible HTTP server.
+
+    pagedserve serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+
+SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish within
+--shutdown-timeout seconds, abort the rest, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from pagedserve.engine.args import add_engine_args, config_from_args
+from pagedserve.errors import ConfigError
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", type=str, default="127.0.0.1", help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    g.add_argument("--api-key", type=str, default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also env PAGEDSERVE_API_KEY)")
+    g.add_argument("--chat-template", type=str, default=None,
+                   help="Jinja chat template (a file or the template text) overriding the tokenizer's")
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--disable-log-stats", action="store_true", help="do not log throughput every 10 s")
+    g.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="answer 503 + Retry-After when this many requests already wait (default: unlimited)")
+    g.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="answer 503 + Retry-After when this many prompt tokens already wait (default: unlimited)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted "
+                        "(default: %(default)s)")
+    g.add_argument("--uvicorn-log-level", type=str, default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: %(default)s)")
+    return parser
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+    if level in ("critical", "error", "warning"):
+        logging.getLogger("pagedserve").setLevel(getattr(logging, level.upper()))
+
+
+def _terminate(signum, frame):  # noqa: ARG001
+    # Reached when SIGTERM arrives outside uvicorn's graceful handling (model loading) and when
+    # uvicorn re-raises the signal after its graceful shutdown: either way, a clean exit 0.
+    raise SystemExit(0)
+
+
+def run(args: argparse.Namespace) -> int:
+    _setup_logging(args.uvicorn_log_level)
+    log = logging.getLogger("pagedserve.server")
+    if getattr(args, "model_tag", None):
+        if args.model and args.model != args.model_tag:
+            print(f"error: two models given: {args.model_tag} and --model {args.model}", file=sys.stderr)
+            return 2
+        args.model = args.model_tag
+    if args.model is None:
+        try:
+            from pagedserve.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+            args.model = str(default_model_path())
+        except Exception as e:  # noqa: BLE001 - ImportError or the module's "pip install ..." RuntimeError
+            print(f"error: no --model given and the default model is not available: {e}", file=sys.stderr)
+            return 1
+        if not args.served_model_name:
+            args.served_model_name = [DEFAULT_MODEL_NAME]
+    for flag, v in (("--max-num-queued-reqs", args.max_num_queued_reqs),
+                    ("--max-num-queued-tokens", args.max_num_queued_tokens)):
+        if v is not None and v < 0:
+            print(f"error: {flag} must be >= 0", file=sys.stderr)
+            return 2
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
+
+    signal.signal(signal.SIGTERM, _terminate)
+
+    import uvicorn
+
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.server.app import build_app, load_chat_template
+
+    try:
+        load_chat_template(args.chat_template)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        async_engine = AsyncEngine.from_config(
+            config,
+            max_num_queued_reqs=args.max_num_queued_reqs,
+            max_num_queued_tokens=args.max_num_queued_tokens,
+            log_requests=not args.disable_log_requests,
+            log_stats=not args.disable_log_stats,
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.api_key = api_key
+    app = build_app(async_engine, args)
+    log.info("serving %s on http://%s:%d (max_model_len=%d)%s", app.state.ctx.model_name, args.host, args.port,
+             app.state.ctx.max_model_len, " with an API key" if api_key else "")
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=5,
+        lifespan="on",
+    )
+    server = uvicorn.Server(uv_config)
+    try:
+        server.run()
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    except KeyboardInterrupt:
+        # uvicorn re-raises SIGINT after its graceful shutdown: that is a clean stop
+        return 0 if server.started else 130
+    return 0

@@ -1,0 +1,163 @@
+"""Prometheus metrics for the server, named as vLLM names them (prefix `pagedserve:`).
+
+Everything lives in the server's own CollectorRegistry (several servers may share a process in
+tests). Load gauges and the engine's cumulative counters (preemptions, prefix-cache tokens) are
+read from the engine's stats snapshot at scrape time by a custom collector; per-request
+counters and histograms are fed by AsyncEngine's observer hooks from the engine thread
+(prometheus_client is thread-safe).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagedserve.engine.async_engine import EngineObserver, RequestStream
+
+PREFIX = "pagedserve:"
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def _1_2_5_buckets(maximum: int) -> list[float]:
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            if v > maximum:
+                return [float(x) for x in out] or [1.0]
+            out.append(v)
+        exp += 1
+
+
+class _StatsCollector:
+    """Gauges and engine-cumulative counters, read from the engine's stats snapshot on scrape."""
+
+    def __init__(self, metrics: "ServerMetrics"):
+        self.m = metrics
+
+    def describe(self):
+        return []  # unchecked collector: names are fixed, no need to pre-describe
+
+    def collect(self):
+        s = self.m.stats_fn() if self.m.stats_fn is not None else None
+        name = self.m.model_name
+
+        def g(metric, doc, value):
+            f = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            f.add_metric([name], float(value or 0))
+            return f
+
+        def c(metric, doc, value):
+            f = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            f.add_metric([name], float(value or 0))
+            return f
+
+        get = (lambda k: getattr(s, k, 0) or 0) if s is not None else (lambda k: 0)
+        usage = float(get("kv_cache_usage"))
+        yield g("num_requests_running", "Number of requests in the running batch.", get("num_running"))
+        yield g("num_requests_waiting", "Number of requests waiting to be scheduled.", get("num_waiting"))
+        yield g("kv_cache_usage_perc", "KV-cache usage (fraction of blocks in use, 0..1).", usage)
+        yield g("gpu_cache_usage_perc", "KV-cache usage (same as kv_cache_usage_perc; vLLM v0 name).", usage)
+        yield g("num_kv_cache_blocks", "Total KV-cache blocks.", get("num_total_blocks"))
+        yield c("num_preemptions", "Cumulative number of preemptions.", get("num_preemptions_total"))
+        yield c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", get("prefix_cache_queries"))
+        yield c("prefix_cache_hits", "Prompt tokens found in the prefix cache.", get("prefix_cache_hits"))
+
+
+class ServerMetrics(EngineObserver):
+    def __init__(self, model_name: str, max_model_len: int = 8192, stats_fn=None):
+        self.model_name = model_name
+        self.stats_fn = stats_fn
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, L = self.registry, ["model_name"]
+        tok_buckets = _1_2_5_buckets(max(max_model_len, 1))
+
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", L,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.", L,
+                                         registry=r).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Count of finished requests, by finish reason.",
+                                L + ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)  # expose zeros from the start
+        self._rejections = Counter(PREFIX + "admission_rejections",
+                                   "Requests rejected with 503 because the waiting queue was full.",
+                                   L + ["reason"], registry=r)
+        for reason in ("queued_reqs", "queued_tokens"):
+            self._rejections.labels(model_name, reason)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "Tokens (prompt + generated) per engine step.",
+                                          L, buckets=_1_2_5_buckets(1 << 16), registry=r).labels(model_name)
+
+        def h(metric, doc, buckets):
+            return Histogram(PREFIX + metric, doc, L, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = h("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Time between token batches of one request (s).", _ITL_BUCKETS)
+        # vLLM v0's name for the same thing, so existing dashboards keep working
+        self.tpot = h("time_per_output_token_seconds", "Time per output token (s).", _ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency (s).", _LATENCY_BUCKETS)
+        self.queue_time = h("request_queue_time_seconds", "Time spent waiting before first scheduled (s).",
+                            _LATENCY_BUCKETS)
+        self.prefill_time = h("request_prefill_time_seconds", "Time from first scheduled to first token (s).",
+                              _LATENCY_BUCKETS)
+        self.decode_time = h("request_decode_time_seconds", "Time from first to last token (s).", _LATENCY_BUCKETS)
+        self.inference_time = h("request_inference_time_seconds", "Time from first scheduled to finished (s).",
+                                _LATENCY_BUCKETS)
+        self.req_prompt_tokens = h("request_prompt_tokens", "Prompt tokens per finished request.", tok_buckets)
+        self.req_gen_tokens = h("request_generation_tokens", "Generated tokens per finished request.", tok_buckets)
+        r.register(_StatsCollector(self))
+
+    # -- server hooks ---------------------------------------------------------------------------
+    def count_rejection(self, reason: str) -> None:
+        self._rejections.labels(self.model_name, reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # -- engine-thread hooks (AsyncEngine observer) -----------------------------------------------
+    def on_step(self, stats, step_seconds: float) -> None:
+        n = (getattr(stats, "step_prompt_tokens", 0) or 0) + (getattr(stats, "step_generation_tokens", 0) or 0)
+        if n:
+            self.iteration_tokens.observe(n)
+
+    def on_request_output(self, stream: RequestStream, output, num_new_tokens: int, now: float) -> None:
+        if stream.tokens_seen == 0:
+            # first generated token: the prompt has been processed
+            self.prompt_tokens.inc(len(output.prompt_token_ids or ()) or stream.num_prompt_tokens)
+        else:
+            if stream.last_token_time is not None:
+                gap = max(0.0, now - stream.last_token_time)
+                self.itl.observe(gap)
+                self.tpot.observe(gap)
+        self.generation_tokens.inc(num_new_tokens)
+
+    def on_request_finished(self, stream: RequestStream, output, now: float) -> None:
+        reasons = [o.finish_reason for o in output.outputs if o.finish_reason]
+        reason = "stop" if "stop" in reasons else (reasons[0] if reasons else "stop")
+        self._success.labels(self.model_name, reason).inc()
+        m = getattr(output, "metrics", None)
+        arrival = getattr(m, "arrival_time", None) or stream.arrival_time
+        sched = getattr(m, "first_scheduled_time", None)
+        first = getattr(m, "first_token_time", None) or stream.first_token_time
+        last = getattr(m, "last_token_time", None) or stream.last_token_time or now
+        fin = getattr(m, "finished_time", None) or now
+        self.e2e.observe(max(0.0, fin - arrival))
+        if first is not None:
+            self.ttft.observe(max(0.0, first - arrival))
+            self.decode_time.observe(max(0.0, last - first))
+        if sched is not None:
+            self.queue_time.observe(max(0.0, sched - arrival))
+            self.inference_time.observe(max(0.0, fin - sched))
+            if first is not None:
+                self.prefill_time.observe(max(0.0, first - sched))
+        self.req_prompt_tokens.observe(len(output.prompt_token_ids or ()) or stream.num_prompt_tokens)
+        self.req_gen_tokens.observe(sum(len(o.token_ids) for o in output.outputs))
+
+    def on_request_aborted(self, stream: RequestStream, now: float) -> None:
+        self._success.labels(self.model_name, "abort").inc()
