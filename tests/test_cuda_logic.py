@@ -237,3 +237,39 @@ def test_modules_import_without_triton():
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+# ---------------------------------------------------------------- the profile batch (engine._profile_cuda_kv_blocks)
+
+
+def test_profile_batch_lengths():
+    from pagedserve.runner.memory_profile import profile_batch_lengths
+
+    assert profile_batch_lengths(2048, 4096, 256) == [2048]
+    assert profile_batch_lengths(2048, 1000, 256) == [683, 683, 682]
+    assert profile_batch_lengths(8192, 2048, 2) == [2048, 2048]  # capped by max_num_seqs and max_model_len
+    assert profile_batch_lengths(5, 2, 8) == [2, 2, 1]
+    for args in [(4096, 300, 64), (100, 7, 256), (1, 1, 1)]:
+        lengths = profile_batch_lengths(*args)
+        assert len(lengths) <= args[2] and max(lengths) <= args[1]
+    with pytest.raises(ValueError):
+        profile_batch_lengths(0, 10, 10)
+
+
+def test_dummy_forward_runs_on_cpu(llama_dir):
+    """The device-independent half of the CUDA profile: the dummy batch goes through the real
+    batch construction and model on a temporary KV cache of exactly the blocks it needs."""
+    from pagedserve import LLM
+    from pagedserve.runner import memory_profile as mp
+    from pagedserve.runner.kv_cache import KVCache
+    from pagedserve.runner.model_runner import ModelRunner
+
+    eng = LLM(model=str(llama_dir), num_gpu_blocks_override=8, max_model_len=128, device="cpu").llm_engine
+    lengths = mp.profile_batch_lengths(100, 40, 8)
+    entries, blocks = mp.dummy_entries(lengths, 16)
+    assert blocks == sum(-(-n // 16) for n in lengths)
+    assert [e.seq.block_table for e in entries][:2] == [[0, 1, 2], [3, 4, 5]]
+    kv = KVCache(eng.spec, blocks, 16, eng.dtype, eng.device)
+    runner = ModelRunner(eng.runner.model, kv, 16, eng.device, 0)
+    mp.run_dummy_forward(runner, entries, 4)
+    assert kv.blocks[0][0].abs().sum() > 0  # K/V were written

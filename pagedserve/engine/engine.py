@@ -54,13 +54,14 @@ class LLMEngine:
         self.dtype = next(loaded.model.parameters()).dtype
         if config.served_model_name is None:
             config.served_model_name = config.model
-        num_blocks = num_blocks_for_budget(config, self.spec, self.dtype, self._kv_budget_bytes(loaded.model))
+        num_blocks = self._num_kv_blocks(loaded.model)
         check_fits(config, num_blocks)
         self.kv_cache = KVCache(self.spec, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device, config.seed)
+        self._setup_cuda_graphs()
         self.requests: dict[str, Request] = {}
         self.profiler: StepProfiler | None = None  # set to a StepProfiler to time each phase
         self._step_prompt_tokens = 0
@@ -75,17 +76,64 @@ class LLMEngine:
             tokens / config.max_model_len, config.max_model_len,
         )
 
-    def _kv_budget_bytes(self, model) -> int:
+    def _num_kv_blocks(self, model) -> int:
+        """KV-cache blocks: --num-gpu-blocks-override; on the CPU --kv-cache-space GiB; on CUDA a
+        measured profile (see _profile_cuda_kv_blocks)."""
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None or self.device.type != "cuda":
+            return num_blocks_for_budget(cfg, self.spec, self.dtype, int(cfg.kv_cache_space * GiB))
+        return self._profile_cuda_kv_blocks(model)
+
+    def _profile_cuda_kv_blocks(self, model) -> int:
+        """Run the largest step the scheduler can produce (max_num_batched_tokens dummy prompt tokens,
+        through the real attention backend, with a temporary KV cache just big enough for it) and
+        measure its activation peak; `plan_kv_cache` turns weights + peak + non-torch memory into a
+        block count, or a ConfigError naming the flag to change. The arithmetic is unit-tested in
+        tests/test_cuda_logic.py; only the measurements here touch the device."""
+        from pagedserve.runner import memory_profile as mp
+
+        cfg, spec = self.config, self.spec
+        lengths = mp.profile_batch_lengths(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs)
+        entries, blocks = mp.dummy_entries(lengths, cfg.block_size)
+        tmp_kv = KVCache(spec, blocks, cfg.block_size, self.dtype, self.device)
+        runner = ModelRunner(model, tmp_kv, cfg.block_size, self.device, cfg.seed)
+        peak = mp.profile_peak_memory(lambda: mp.run_dummy_forward(runner, entries, cfg.max_num_seqs), self.device)
+        del runner, tmp_kv
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        plan = mp.plan_kv_cache(
+            total_memory=total,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            weights_bytes=torch.cuda.memory_allocated(self.device),  # weights, rope tables, other resident tensors
+            peak_activation_bytes=peak,
+            non_torch_bytes=mp.non_torch_memory_bytes(self.device),
+            kv_bytes_per_block=bytes_per_block(spec, cfg.block_size, self.dtype),
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+        )
+        log.info("%s (profiled with %d dummy tokens in %d sequences)", plan.summary, sum(lengths), len(lengths))
+        return plan.num_blocks
+
+    def _setup_cuda_graphs(self) -> None:
+        """CUDA graphs for pure-decode steps: opt-in (PAGEDSERVE_CUDA_GRAPHS=1) until they have run on a GPU."""
+        import os
+
         if self.device.type != "cuda":
-            return int(self.config.kv_cache_space * GiB)
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        # activations of one max-size step (hidden states, qkv, MLP, logits), with headroom
-        s = self.spec
-        per_token = 4 * (3 * s.hidden_size + s.num_heads * s.head_dim * 3 + 2 * s.intermediate_size) * 2
-        act = self.config.max_num_batched_tokens * per_token + self.config.max_num_seqs * s.vocab_size * 4 * 2
-        return int(total * self.config.gpu_memory_utilization - weights - act - used_by_others)
+            return
+        backend = self.runner.backend
+        if self.config.enforce_eager:
+            log.info("CUDA graphs: off (--enforce-eager)")
+        elif os.environ.get("PAGEDSERVE_CUDA_GRAPHS", "0") != "1":
+            log.info("CUDA graphs: off (experimental, not yet validated on a GPU; opt in with PAGEDSERVE_CUDA_GRAPHS=1)")
+        elif not getattr(backend, "needs_block_tables", False):
+            log.info("CUDA graphs: off (the %s attention backend is not graph-safe; use triton or flash-attn)",
+                     backend.name)
+        else:
+            t0 = time.time()
+            self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.config.max_model_len, capture=True)
+            log.info("CUDA graphs: captured decode batch sizes %s in %.1fs (PAGEDSERVE_CUDA_GRAPHS=1, experimental)",
+                     self.runner.graphs.captured_sizes, time.time() - t0)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,

@@ -51,3 +51,4 @@ class KVCache:
         self.layers = [(k.view(flat), v.view(flat)) for k, v in self.blocks]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype = dtype

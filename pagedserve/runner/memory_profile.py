@@ -126,3 +126,54 @@ def non_torch_memory_bytes(device: torch.device | str) -> int:
     device = torch.device(device)
     free, total = torch.cuda.mem_get_info(device)
     return max(0, (total - free) - torch.cuda.memory_reserved(device))
+
+
+# ---------------------------------------------------------------- the profile batch
+
+
+def profile_batch_lengths(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
+    """Prompt lengths of the largest step the scheduler can produce: max_num_batched_tokens new
+    tokens, as few sequences as max_model_len allows (long first chunks: the largest attention
+    tiles), never more than max_num_seqs sequences."""
+    if min(max_num_batched_tokens, max_model_len, max_num_seqs) < 1:
+        raise ValueError("max_num_batched_tokens, max_model_len and max_num_seqs must be >= 1")
+    n = min(max_num_seqs, -(-max_num_batched_tokens // max_model_len))
+    base, extra = divmod(max_num_batched_tokens, n)
+    lengths = [base + (i < extra) for i in range(n)]
+    # more tokens than n sequences of max_model_len can hold: cap (the scheduler could not fill it either)
+    return [min(length, max_model_len) for length in lengths]
+
+
+class _DummySeq:
+    __slots__ = ("token_ids", "block_table")
+
+    def __init__(self, token_ids, block_table):
+        self.token_ids, self.block_table = token_ids, block_table
+
+
+class _DummyEntry:
+    __slots__ = ("seq", "start", "num_new_tokens")
+
+    def __init__(self, seq, start, num_new_tokens):
+        self.seq, self.start, self.num_new_tokens = seq, start, num_new_tokens
+
+
+def dummy_entries(lengths: list[int], block_size: int) -> tuple[list, int]:
+    """ScheduledSeq look-alikes (first prefill chunks of token 0) over consecutive fresh blocks,
+    and the number of KV blocks they need."""
+    entries, next_block = [], 0
+    for n in lengths:
+        nb = -(-n // block_size)
+        entries.append(_DummyEntry(_DummySeq([0] * n, list(range(next_block, next_block + nb))), 0, n))
+        next_block += nb
+    return entries, next_block
+
+
+def run_dummy_forward(runner, entries: list, num_logit_rows: int) -> None:
+    """One forward of the profile batch through the runner's own batch construction, attention
+    backend and KV cache, plus logits and a softmax for num_logit_rows rows (the sampler's peak)."""
+    with torch.inference_mode():
+        input_ids, positions, meta, _ = runner._prepare(entries)
+        hidden = runner.model(input_ids, positions, meta, runner.kv.layers, runner.backend)
+        logits = runner.model.compute_logits(hidden[:num_logit_rows])
+        torch.softmax(logits, dim=-1)

@@ -30,9 +30,17 @@ class ModelRunner:
         self.kv = kv_cache
         self.block_size = block_size
         self.device = device
-        self.backend = select_backend(device)
+        self.backend = select_backend(device, block_size)
         self.sampler = Sampler(seed)
         self.vocab_size = model.spec.vocab_size
+        self.graphs = None  # DecodeGraphs when CUDA graphs are on (engine._setup_cuda_graphs)
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        from pagedserve.runner.decode_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
+        if capture:
+            self.graphs.capture()
 
     # ---- batch construction -----------------------------------------------------------------
     def _prepare(self, entries: list[ScheduledSeq]):
@@ -57,9 +65,14 @@ class ModelRunner:
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
 
         num_decodes = int(np.searchsorted(q_lens != 1, True))  # entries are sorted: decodes first
-        decode_slots = decode_mask = None
+        decode_slots = decode_mask = decode_tables = decode_lens = None
         dev = self.device
-        if num_decodes:
+        kernel_meta = getattr(self.backend, "needs_block_tables", False)  # CUDA kernels: block tables, no gathers
+        native = not kernel_meta and self.backend.native_decode(self.device, self.kv.dtype)
+        if num_decodes and native:
+            decode_tables = torch.from_numpy(tables[:num_decodes]).to(dev)
+            decode_lens = torch.from_numpy(seq_lens[:num_decodes]).to(dev)
+        elif num_decodes and not kernel_meta:
             d_lens = seq_lens[:num_decodes]
             pos = np.arange(int(d_lens.max()))
             d_slots = tables[:num_decodes, pos // bs] * bs + pos % bs
@@ -68,7 +81,7 @@ class ModelRunner:
         prefills = []
         for i in range(num_decodes, n_seqs):
             ctx_slots = None
-            if starts[i] > 0:
+            if starts[i] > 0 and not kernel_meta:
                 pos = np.arange(int(seq_lens[i]))
                 ctx_slots = torch.from_numpy(tables[i, pos // bs] * bs + pos % bs).to(dev)
             prefills.append(PrefillSpan(int(cu[i]), int(cu[i + 1]), int(seq_lens[i]), ctx_slots))
@@ -78,7 +91,15 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_block_tables=decode_tables,
+            decode_seq_lens=decode_lens,
+            block_size=bs,
         )
+        if kernel_meta:
+            meta.block_tables, meta.seq_lens, meta.query_start_loc = (
+                torch.from_numpy(a.astype(np.int32)).to(dev) for a in (tables, seq_lens, cu))
+            meta.block_size = bs
+            meta.max_decode_seq_len = int(seq_lens[:num_decodes].max()) if num_decodes else None
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.from_numpy(positions).to(dev), meta, cu
 
@@ -91,7 +112,9 @@ class ModelRunner:
             entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
             input_ids, positions, meta, cu = self._prepare(entries)
         with phase("forward"):
-            hidden = self.model(input_ids, positions, meta, self.kv.layers, self.backend)
+            hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
+            if hidden is None:
+                hidden = self.model(input_ids, positions, meta, self.kv.layers, self.backend)
         with phase("sample"):
             return self._sample(entries, hidden, cu)
 

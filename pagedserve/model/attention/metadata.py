@@ -23,7 +23,12 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [B_decode, max_context] int64 cache slots (padded)
     decode_mask: torch.Tensor | None  # [B_decode, 1, 1, max_context] bool: True where a key is real
     prefills: list[PrefillSpan]
+    # CPU native decode kernel: the decode sequences' block tables and lengths (int64), no gather
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
     # kernel-style views of the same batch (used by CUDA kernels; cheap to build)
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     seq_lens: torch.Tensor | None = None  # [B] int32
     query_start_loc: torch.Tensor | None = None  # [B+1] int32
+    block_size: int | None = None  # tokens per cache block (to view the flat caches as pages)
+    max_decode_seq_len: int | None = None  # host-side hint for the decode split-K factor; None in CUDA graphs

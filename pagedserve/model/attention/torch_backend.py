@@ -16,6 +16,20 @@ from pagedserve.model.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     name = "torch-sdpa"
 
+    def __init__(self):
+        self._native: dict = {}
+
+    def native_decode(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether decodes use the native CPU kernel (reads the pool in place) instead of a gather."""
+        key = (device.type, dtype)
+        if key not in self._native:
+            from pagedserve.model.attention import cpu_kernels
+
+            self._native[key] = device.type == "cpu" and cpu_kernels.supports(dtype) and cpu_kernels.load() is not None
+            if self._native[key]:
+                self.name = "torch-sdpa + native CPU paged decode"
+        return self._native[key]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, h, d]; k, v: [T, kvh, d]; caches: [num_slots, kvh, d] (flat view of the blocks)."""
@@ -23,7 +37,13 @@ class TorchAttentionBackend:
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
-        if nd:
+        if nd and meta.decode_block_tables is not None:
+            from pagedserve.model.attention.cpu_kernels import paged_decode_attention
+
+            shape = (-1, meta.block_size) + tuple(k_cache.shape[1:])
+            out[:nd] = paged_decode_attention(q[:nd], k_cache.view(shape), v_cache.view(shape),
+                                              meta.decode_block_tables, meta.decode_seq_lens, scale)
+        elif nd:
             kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, kvh, L, d]
             vd = v_cache[meta.decode_slots].transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, h, 1, d]

@@ -1,0 +1,110 @@
+"""Native CPU attention kernels: a small C++ library built on first use and called via ctypes.
+
+The decode kernel reads K/V rows where they lie in the block pool; the portable torch path must
+first gather every sequence's context into a padded copy, per layer and step, which at large
+batches costs more than the attention itself. The library has no torch headers, so it builds in
+about a second with the system C++ compiler; it is cached per source, flags and CPU model under
+$PAGEDSERVE_CACHE (default ~/.cache/pagedserve). Without a compiler, or with
+PAGEDSERVE_CPU_KERNELS=0, the engine keeps the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pagedserve")
+
+_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+# -march=native: the build is cached per CPU model below; no -ffinite-math (softmax starts at -inf-free max)
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math"]
+_lock = threading.Lock()
+_lib = None
+_failed: str | None = None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l for l in f if l.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return os.uname().machine
+
+
+def _build() -> Path:
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels" / key
+    lib = root / "libpagedserve_cpu.so"
+    if lib.exists():
+        return lib
+    root.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++)")
+    with open(root / ".lock", "w") as lk:  # several processes may start at once
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        if not lib.exists():
+            tmp = root / f"tmp-{os.getpid()}.so"
+            subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", str(tmp)], check=True, capture_output=True, text=True)
+            tmp.rename(lib)
+    return lib
+
+
+def load():
+    """The loaded library, or None (the reason logged once) when it cannot be built."""
+    global _lib, _failed
+    if _lib is not None or _failed is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _failed is None:
+            if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
+                _failed = "disabled by PAGEDSERVE_CPU_KERNELS=0"
+            else:
+                try:
+                    lib = ctypes.CDLL(str(_build()))
+                    for name in ("paged_decode_f32", "paged_decode_bf16"):
+                        fn = getattr(lib, name)
+                        fn.restype = None
+                        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+                    _lib = lib
+                except Exception as e:
+                    err = getattr(e, "stderr", "") or str(e)
+                    _failed = f"{type(e).__name__}: {err.strip().splitlines()[-1] if err.strip() else ''}"
+                    log.warning("CPU attention kernel unavailable (%s); using the torch gather path", _failed)
+    return _lib
+
+
+def failure_reason() -> str | None:
+    return _failed
+
+
+_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _FN
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D]; caches [num_blocks, block_size, kv_heads, D]; block_tables [B, max_blocks] int64;
+    seq_lens [B] int64 (each >= 1) → [B, H, D]."""
+    lib = load()
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    b, h, d = q.shape
+    _, bs, kvh, _ = key_cache.shape
+    getattr(lib, _FN[q.dtype])(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+                               seq_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1],
+                               scale, torch.get_num_threads())
+    return out
