@@ -1,0 +1,1 @@
+"""Model-quality evaluation run on pagedserve's own model code (`pagedserve eval ...`)."""
