@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -52,6 +53,11 @@ class LLMEngine:
         self.eos_ids = loaded.generation_eos_ids
         config.resolve(model_max_len=self.spec.max_position_embeddings, sliding_window=self.spec.sliding_window)
         self.dtype = next(loaded.model.parameters()).dtype
+        if self.device.type == "cpu" and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
+            from pagedserve.model.cpu_linear import pack_linears
+
+            n = pack_linears(loaded.model, batch_hint=min(config.max_num_seqs, 256))
+            log.info("prepacked %d linear layers for oneDNN", n)
         if config.served_model_name is None:
             config.served_model_name = config.model
         num_blocks = self._num_kv_blocks(loaded.model)
