@@ -28,7 +28,8 @@ class RemoteServer:
         self.host = "127.0.0.1"
         self.api_key = api_key
         self.base_url = f"http://{self.host}:{self.port}"
-        cmd = [sys.executable, "-m", "pagedserve", "serve", "--model", str(model_dir),
+        model = ["--model", str(model_dir)] if model_dir is not None else []  # None: the embedded default
+        cmd = [sys.executable, "-m", "pagedserve", "serve", *model,
                "--host", self.host, "--port", str(self.port), *map(str, args)]
         full_env = dict(os.environ)
         full_env.setdefault("PYTHONUNBUFFERED", "1")

@@ -120,7 +120,7 @@ def make_tiny_checkpoint(
         )
         cls = Qwen2ForCausalLM
     elif arch == "mistral":
-        cfg = MistralConfig(tie_word_embeddings=bool(tie_word_embeddings), sliding_window=None, **common)
+        cfg = MistralConfig(**{"tie_word_embeddings": bool(tie_word_embeddings), "sliding_window": None, **common})
         cls = MistralForCausalLM
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
