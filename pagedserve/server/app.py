@@ -33,7 +33,8 @@ from pagedserve.server.protocol import (
     error_body,
 )
 from pagedserve.server.serving_chat import OpenAIServingChat
-from pagedserve.server.serving_completions import OpenAIServingCompletion, ServingContext, default_ping_seconds
+from pagedserve.server.serving_base import ServingContext, default_ping_seconds
+from pagedserve.server.serving_completions import OpenAIServingCompletion
 
 logger = logging.getLogger("pagedserve.server")
 

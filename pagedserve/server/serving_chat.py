@@ -37,7 +37,7 @@ from pagedserve.server.protocol import (
     random_id,
     sse,
 )
-from pagedserve.server.serving_completions import (
+from pagedserve.server.serving_base import (
     ClientDisconnected,
     OpenAIServing,
     SSEResponse,

@@ -1,0 +1,444 @@
+"""What every OpenAI route shares (OpenAIServing): model-name check, prompt tokenization and validation, SamplingParams
+building, the max_tokens default (max_model_len - prompt length, as vLLM does), admission
+control, submitting to the AsyncEngine, client-disconnect handling (abort → KV blocks freed),
+SSE responses with keep-alive pings, logprob formatting, /tokenize and /detokenize.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from pagedserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineShuttingDownError,
+    QueueFullError,
+    RequestAbortedError,
+)
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.protocol import (
+    APIError,
+    ChatLogprobToken,
+    ChatTopLogprob,
+    CompletionLogProbs,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+logger = logging.getLogger("pagedserve.server")
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+def default_ping_seconds() -> float:
+    try:
+        return float(os.environ.get("PAGEDSERVE_SSE_PING_SECONDS", "5"))
+    except ValueError:
+        return 5.0
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int = 20
+    metrics: Any = None  # ServerMetrics
+    chat_template: str | None = None
+    log_requests: bool = True
+    ping_seconds: float = field(default_factory=default_ping_seconds)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# transport helpers
+class SSEResponse(StreamingResponse):
+    """text/event-stream that always watches for the client going away.
+
+    On disconnect the body generator is cancelled and closed (its `finally` aborts the engine
+    requests) and `on_close` runs, whatever ASGI spec version the server speaks.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close=None):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    await self.body_iterator.aclose()  # type: ignore[union-attr]
+                if self._on_close is not None:
+                    with contextlib.suppress(Exception):
+                        self._on_close()
+
+
+async def run_until_disconnect(raw: Request, coro):
+    """Run `coro`; if the client disconnects first, cancel it (its finally aborts) and raise."""
+    task = asyncio.ensure_future(coro)
+
+    async def listen() -> None:
+        while True:
+            msg = await raw.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(listen())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientDisconnected()
+
+
+_END = object()
+
+
+async def merge_streams(streams: list, ping: float | None) -> AsyncIterator[tuple[int, Any] | None]:
+    """Yield (stream index, latest output) across streams; None whenever `ping` s pass quietly."""
+    if len(streams) == 1:
+        s = streams[0]
+        while True:
+            try:
+                out = await s.next(timeout=ping)
+            except StopAsyncIteration:
+                return
+            yield None if out is None else (0, out)
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            try:
+                item = await (q.get() if ping is None else asyncio.wait_for(q.get(), ping))
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            i, x = item
+            if x is _END:
+                remaining -= 1
+            elif isinstance(x, BaseException):
+                raise x
+            else:
+                yield i, x
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def engine_error_to_api(e: BaseException, metrics=None) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return APIError(str(e), 400, param=e.param)
+    if isinstance(e, QueueFullError):
+        if metrics is not None:
+            metrics.count_rejection(e.reason)
+        return APIError(str(e), 503, code="server_overloaded", headers={"Retry-After": str(e.retry_after)})
+    if isinstance(e, EngineShuttingDownError):
+        return APIError(str(e), 503, code="shutting_down", headers={"Retry-After": "5"})
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 503, code="engine_dead")
+    if isinstance(e, RequestAbortedError):
+        return APIError("the request was aborted (the server is shutting down)", 503, code="aborted")
+    raise e
+
+
+# ------------------------------------------------------------------------------------------------
+class OpenAIServing:
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+        self.engine = ctx.engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is None or name in self.ctx.served_model_names:
+            return
+        raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+
+    def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
+        if not ids:
+            raise APIError("The prompt must not be empty.", 400, param=param)
+        vocab = self.ctx.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not (0 <= t < vocab):
+                raise APIError(f"Token id {t!r} is out of vocabulary range [0, {vocab}).", 400, param=param)
+
+    def resolve_max_tokens(self, requested: int | None, n_prompt: int, param: str = "max_tokens") -> int:
+        L = self.ctx.max_model_len
+        if n_prompt >= L:
+            raise APIError(
+                f"This model's maximum context length is {L} tokens, but the prompt has {n_prompt} tokens. "
+                "Please shorten the prompt.", 400, param="prompt")
+        if requested is None:
+            return L - n_prompt
+        if requested < 1:
+            raise APIError(f"{param} must be at least 1, got {requested}.", 400, param=param)
+        if n_prompt + requested > L:
+            raise APIError(
+                f"This model's maximum context length is {L} tokens. However, you requested "
+                f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the completion). "
+                f"Please reduce the length of the prompt or {param}.", 400, param=param)
+        return requested
+
+    def sampling_params(self, req, *, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError("logit_bias is not supported yet.", 400, param="logit_bias")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of is not supported (use n).", 400, param="best_of")
+        params = SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+        )
+        if req.top_k is not None and req.top_k < -1:
+            raise APIError(f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}.", 400, param="top_k")
+        if req.seed is not None and not (-(2**63) <= req.seed < 2**64):
+            # torch generators take 64-bit seeds; a larger one would fail inside the engine step
+            raise APIError(f"seed must fit in 64 bits, got {req.seed}.", 400, param="seed")
+        if params.n > 128:
+            raise APIError(f"n must be at most 128, got {params.n}.", 400, param="n")
+        try:
+            params.validate(self.ctx.max_logprobs)
+        except InvalidRequestError as e:
+            raise APIError(str(e), 400, param=e.param) from None
+        if params.stop_token_ids:
+            self.check_prompt_ids(params.stop_token_ids, param="stop_token_ids")
+        return params
+
+    # -- engine submission ---------------------------------------------------------------------
+    async def submit(self, request_ids: list[str], prompts: list[tuple[str | None, list[int]]],
+                     params: list[SamplingParams]) -> list:
+        try:
+            self.engine.check_admission(len(prompts), sum(len(ids) for _, ids in prompts))
+        except Exception as e:  # noqa: BLE001
+            raise engine_error_to_api(e, self.ctx.metrics) from None
+        arrival = time.time()
+        coros = [
+            self.engine.add_request(rid, prompt=text, params=p, prompt_token_ids=ids, arrival_time=arrival,
+                                    check_admission=False)
+            for rid, (text, ids), p in zip(request_ids, prompts, params)
+        ]
+        results = await asyncio.gather(*coros, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for rid in request_ids:
+                self.engine.abort(rid)
+            for e in errors:
+                if isinstance(e, asyncio.CancelledError):
+                    raise e
+            raise engine_error_to_api(errors[0], self.ctx.metrics) from None
+        return list(results)
+
+    def abort_all(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+
+    # -- logprobs ----------------------------------------------------------------------------
+    def _tok_str(self, tid: int, lp) -> str:
+        s = getattr(lp, "decoded_token", None) if lp is not None else None
+        if s is None:
+            s = self.tokenizer.decode([tid])
+        return s
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list, num: int,
+                            initial_offset: int) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        offset = initial_offset
+        for tid, lpd in zip(token_ids, logprobs):
+            if lpd is None:  # the first prompt token has none
+                tok = self._tok_str(tid, None)
+                out.tokens.append(tok)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                chosen = lpd.get(tid)
+                tok = self._tok_str(tid, chosen)
+                out.tokens.append(tok)
+                out.token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else None)
+                top: dict[str, float] = {}
+                ranked = sorted(lpd.items(), key=lambda kv: -kv[1].logprob)
+                for t, lp in ranked[:num]:
+                    top[self._tok_str(t, lp)] = max(lp.logprob, _MIN_LOGPROB)
+                if chosen is not None:
+                    top.setdefault(tok, max(chosen.logprob, _MIN_LOGPROB))
+                out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(tok)
+        return out
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list, num: int) -> list[ChatLogprobToken]:
+        out = []
+        for tid, lpd in zip(token_ids, logprobs):
+            lpd = lpd or {}
+            chosen = lpd.get(tid)
+            tok = self._tok_str(tid, chosen)
+            ranked = sorted(lpd.items(), key=lambda kv: -kv[1].logprob)[:num]
+            out.append(ChatLogprobToken(
+                token=tok,
+                logprob=max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else _MIN_LOGPROB,
+                bytes=list(tok.encode("utf-8", errors="replace")),
+                top_logprobs=[
+                    ChatTopLogprob(token=(s := self._tok_str(t, lp)), logprob=max(lp.logprob, _MIN_LOGPROB),
+                                   bytes=list(s.encode("utf-8", errors="replace")))
+                    for t, lp in ranked
+                ],
+            ))
+        return out
+
+    # -- chat template (shared with /tokenize) ------------------------------------------------------
+    def normalize_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not messages:
+            raise APIError("messages must not be empty.", 400, param="messages")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise APIError(f"messages[{i}] must be an object with a string 'role'.", 400, param="messages")
+            m = dict(m)
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for p in content:
+                    if isinstance(p, str):
+                        parts.append(p)
+                    elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                        parts.append(p["text"])
+                    else:
+                        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                        raise APIError(f"messages[{i}]: content part of type {kind!r} is not supported "
+                                       "(only text).", 400, param="messages")
+                m["content"] = "\n".join(parts)
+            elif content is None:
+                m["content"] = ""
+            elif not isinstance(content, str):
+                raise APIError(f"messages[{i}].content must be a string or a list of text parts.", 400,
+                               param="messages")
+            out.append(m)
+        return out
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
+        messages = self.normalize_messages(messages)
+        tok = self.tokenizer
+        template = self.ctx.chat_template
+        if template is None and not getattr(tok, "chat_template", None):
+            raise APIError("This model's tokenizer has no chat template; start the server with --chat-template.",
+                           400, param="messages")
+        if continue_final_message:
+            add_generation_prompt = False
+            if messages[-1].get("role") != "assistant":
+                raise APIError("continue_final_message needs the last message to be from the assistant.", 400,
+                               param="messages")
+        kwargs = dict(chat_template_kwargs or {})
+        for k in ("tokenize", "add_generation_prompt", "chat_template", "continue_final_message", "conversation"):
+            kwargs.pop(k, None)
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, chat_template=template,
+                                           **kwargs)
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
+            raise APIError(f"Could not apply the chat template: {e}", 400, param="messages") from None
+        if not isinstance(text, str):  # some versions return a list for a batch
+            text = text[0]
+        return text
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    # -- /tokenize, /detokenize ---------------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("Give exactly one of 'prompt' or 'messages'.", 400, param="prompt")
+        if req.messages is not None:
+            text = self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message,
+                                    chat_template_kwargs=req.chat_template_kwargs)
+            ids = self.encode(text, bool(req.add_special_tokens))
+        else:
+            ids = self.encode(req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": self.ctx.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if req.tokens:
+            self.check_prompt_ids(req.tokens, param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+
+# ------------------------------------------------------------------------------------------------
