@@ -49,3 +49,12 @@ def test_help_for_every_command():
                 ["plan", "--help"]):
         r = _run(*cmd)
         assert r.returncode == 0 and "usage" in r.stdout.lower(), (cmd, r.stderr)
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
+    code = "import pagedserve, os; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.stdout.strip() == "PASSIVE"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert r.stdout.strip() == "ACTIVE"
