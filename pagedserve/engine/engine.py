@@ -66,7 +66,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device, config.seed)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
         self._setup_cuda_graphs()
         self.requests: dict[str, Request] = {}
         self.profiler: StepProfiler | None = None  # set to a StepProfiler to time each phase
@@ -102,7 +102,7 @@ class LLMEngine:
         lengths = mp.profile_batch_lengths(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs)
         entries, blocks = mp.dummy_entries(lengths, cfg.block_size)
         tmp_kv = KVCache(spec, blocks, cfg.block_size, self.dtype, self.device)
-        runner = ModelRunner(model, tmp_kv, cfg.block_size, self.device, cfg.seed)
+        runner = ModelRunner(model, tmp_kv, cfg.block_size, self.device)
         peak = mp.profile_peak_memory(lambda: mp.run_dummy_forward(runner, entries, cfg.max_num_seqs), self.device)
         del runner, tmp_kv
         torch.cuda.empty_cache()
@@ -199,9 +199,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
 
     # ---- stepping ---------------------------------------------------------------------------
     def _phase(self, name: str):

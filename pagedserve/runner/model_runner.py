@@ -25,13 +25,13 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device, seed: int):
+    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device):
         self.model = model
         self.kv = kv_cache
         self.block_size = block_size
         self.device = device
         self.backend = select_backend(device, block_size)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler()
         self.vocab_size = model.spec.vocab_size
         self.graphs = None  # DecodeGraphs when CUDA graphs are on (engine._setup_cuda_graphs)
 

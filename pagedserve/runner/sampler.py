@@ -58,8 +58,7 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, seed: int):
-        self.seed = seed
+    """Unseeded rows draw from torch's global generator (seeded once by the engine)."""
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
         rows = batch.penalty_rows
