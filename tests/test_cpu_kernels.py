@@ -1,4 +1,4 @@
-"""The native CPU paged-decode kernel against a plain torch reference, and both engine paths."""
+"""The native CPU paged-attention kernel against a plain torch reference, and both engine paths."""
 import pytest
 import torch
 
@@ -35,6 +35,29 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, block_size):
     q = torch.randn(b, heads, d, generator=g).to(dtype)
     got = cpu_kernels.paged_decode_attention(q, kc, vc, bt, lens, d ** -0.5)
     assert torch.allclose(got.float(), _reference(q, kc, vc, bt, lens, d ** -0.5), atol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [64, 12])  # 12: not a multiple of 8, the scalar path
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, dtype, tol):
+    """Several query tokens per sequence (a prompt chunk after cached context), mixed with decodes."""
+    if cpu_kernels.load() is None:
+        pytest.skip(f"native CPU kernel unavailable here: {cpu_kernels.failure_reason()}")
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, bs, n_blocks = 8, 2, 16, 64
+    kc = torch.randn(n_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(n_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    lens = [1, 40, 37, 200, 9]
+    q_lens = [1, 1, 20, 37, 9]  # decodes, a chunk after 17 cached tokens, a whole prompt, ...
+    bt = torch.stack([torch.randperm(n_blocks, generator=g)[:13] for _ in lens])
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    starts = torch.tensor([0] + q_lens).cumsum(0)
+    got = cpu_kernels.paged_attention(q, kc, vc, bt, torch.tensor(lens), starts, head_dim ** -0.5)
+    for b, (n, qn) in enumerate(zip(lens, q_lens)):
+        for i in range(qn):  # query i sits at position n - qn + i and sees keys up to there
+            row = starts[b] + i
+            want = _reference(q[row:row + 1], kc, vc, bt[b:b + 1], torch.tensor([n - qn + i + 1]), head_dim ** -0.5)
+            assert torch.allclose(got[row:row + 1].float(), want, atol=tol), (b, i)
 
 
 def test_engine_greedy_same_with_and_without_native_kernel(llama_dir, monkeypatch):

@@ -65,13 +65,19 @@ class ModelRunner:
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
 
         num_decodes = int(np.searchsorted(q_lens != 1, True))  # entries are sorted: decodes first
-        decode_slots = decode_mask = decode_tables = decode_lens = None
+        decode_slots = decode_mask = None
         dev = self.device
         kernel_meta = getattr(self.backend, "needs_block_tables", False)  # CUDA kernels: block tables, no gathers
         native = not kernel_meta and self.backend.native_decode(self.device, self.kv.dtype)
-        if num_decodes and native:
-            decode_tables = torch.from_numpy(tables[:num_decodes]).to(dev)
-            decode_lens = torch.from_numpy(seq_lens[:num_decodes]).to(dev)
+        num_paged = 0  # leading sequences the native kernel attends from the cache: decodes, then chunks with context
+        if native:
+            num_paged = num_decodes + int(np.searchsorted(starts[num_decodes:] == 0, True))
+        paged = {}
+        if num_paged:
+            paged = dict(num_paged_tokens=int(cu[num_paged]),
+                         paged_block_tables=torch.from_numpy(tables[:num_paged]).to(dev),
+                         paged_seq_lens=torch.from_numpy(seq_lens[:num_paged]).to(dev),
+                         paged_query_starts=torch.from_numpy(cu[:num_paged + 1]).to(dev))
         elif num_decodes and not kernel_meta:
             d_lens = seq_lens[:num_decodes]
             pos = np.arange(int(d_lens.max()))
@@ -81,7 +87,7 @@ class ModelRunner:
         prefills = []
         for i in range(num_decodes, n_seqs):
             ctx_slots = None
-            if starts[i] > 0 and not kernel_meta:
+            if starts[i] > 0 and not kernel_meta and i >= num_paged:
                 pos = np.arange(int(seq_lens[i]))
                 ctx_slots = torch.from_numpy(tables[i, pos // bs] * bs + pos % bs).to(dev)
             prefills.append(PrefillSpan(int(cu[i]), int(cu[i + 1]), int(seq_lens[i]), ctx_slots))
@@ -91,9 +97,8 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
-            decode_block_tables=decode_tables,
-            decode_seq_lens=decode_lens,
             block_size=bs,
+            **paged,
         )
         if kernel_meta:
             meta.block_tables, meta.seq_lens, meta.query_start_loc = (
@@ -108,31 +113,34 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, phase=None) -> StepResult:
         phase = phase or (lambda name: NULL_PHASE)
         with phase("prepare_inputs"):
-            # decodes first so attention can batch them in one call
-            entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
+            # decodes first so attention can batch them in one call; then chunks with earlier
+            # context (the native CPU kernel takes these in the same call), then fresh prompts
+            entries = sorted(sched.scheduled, key=lambda e: (e.num_new_tokens != 1, e.start == 0))
             input_ids, positions, meta, cu = self._prepare(entries)
         with phase("forward"):
             hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
             if hidden is None:
                 hidden = self.model(input_ids, positions, meta, self.kv.layers, self.backend)
-        with phase("sample"):
-            return self._sample(entries, hidden, cu)
+        return self._sample(entries, hidden, cu, phase)
 
-    def _sample(self, entries, hidden, cu) -> StepResult:
+    def _sample(self, entries, hidden, cu, phase) -> StepResult:
         result = StepResult()
 
         sampling = [(i, e) for i, e in enumerate(entries) if e.start + e.num_new_tokens == e.seq.num_tokens]
         if sampling:
-            rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.device)
-            tokens = self.sampler(logits, batch)
-            result.sampled = [(e, t) for (_, e), t in zip(sampling, tokens)]
+            with phase("logits"):  # the LM head, only for the rows that sample
+                rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
+                logits = self.model.compute_logits(hidden[rows])
+            with phase("sample"):
+                batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.device)
+                tokens = self.sampler(logits, batch)
+                result.sampled = [(e, t) for (_, e), t in zip(sampling, tokens)]
 
-        for i, e in enumerate(entries):
-            req = e.seq.request
-            if req.prompt_logprobs is not None and e.seq.index == 0 and e.start < e.seq.prompt_len - 1:
-                result.prompt_logprobs.append((e, self._prompt_logprobs(hidden, int(cu[i]), e)))
+        with phase("sample"):
+            for i, e in enumerate(entries):
+                req = e.seq.request
+                if req.prompt_logprobs is not None and e.seq.index == 0 and e.start < e.seq.prompt_len - 1:
+                    result.prompt_logprobs.append((e, self._prompt_logprobs(hidden, int(cu[i]), e)))
         return result
 
     def _prompt_logprobs(self, hidden: torch.Tensor, offset: int, e: ScheduledSeq) -> list:

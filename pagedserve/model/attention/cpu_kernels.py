@@ -1,7 +1,8 @@
 """Native CPU attention kernels: a small C++ library built on first use and called via ctypes.
 
-The decode kernel reads K/V rows where they lie in the block pool; the portable torch path must
-first gather every sequence's context into a padded copy, per layer and step, which at large
+The paged kernel reads K/V rows where they lie in the block pool, for decodes and for prompt
+chunks that have earlier context (chunked prefill, prefix-cache hits); the portable torch path
+must first gather every sequence's context into a padded copy, per layer and step, which at large
 batches costs more than the attention itself. The library has no torch headers, so it builds in
 about a second with the system C++ compiler; it is cached per source, flags and CPU model under
 $PAGEDSERVE_CACHE (default ~/.cache/pagedserve). Without a compiler, or with
@@ -72,10 +73,12 @@ def load():
             else:
                 try:
                     lib = ctypes.CDLL(str(_build()))
-                    for name in ("paged_decode_f32", "paged_decode_bf16"):
+                    for name in _FN.values():
                         fn = getattr(lib, name)
                         fn.restype = None
-                        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+                        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+                    lib.paged_attention_vectorized.restype = ctypes.c_int
+                    log.debug("CPU attention kernel built (vectorised: %s)", bool(lib.paged_attention_vectorized()))
                     _lib = lib
                 except Exception as e:
                     err = getattr(e, "stderr", "") or str(e)
@@ -88,23 +91,34 @@ def failure_reason() -> str | None:
     return _failed
 
 
-_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_FN = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 
 
 def supports(dtype: torch.dtype) -> bool:
     return dtype in _FN
 
 
-def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D]; caches [num_blocks, block_size, kv_heads, D]; block_tables [B, max_blocks] int64;
-    seq_lens [B] int64 (each >= 1) → [B, H, D]."""
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, q_starts: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's newest tokens over its whole paged context.
+
+    q [T, H, D]: sequence b owns rows q_starts[b]:q_starts[b+1], the last of its seq_lens[b]
+    context positions (whose K/V are already in the cache); caches [num_blocks, block_size,
+    kv_heads, D]; block_tables [B, max_blocks], seq_lens [B], q_starts [B+1], all int64 → [T, H, D].
+    """
     lib = load()
     q = q.contiguous()
     out = torch.empty_like(q)
-    b, h, d = q.shape
+    _, h, d = q.shape
     _, bs, kvh, _ = key_cache.shape
     getattr(lib, _FN[q.dtype])(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                               seq_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1],
-                               scale, torch.get_num_threads())
+                               seq_lens.data_ptr(), q_starts.data_ptr(), out.data_ptr(), seq_lens.shape[0], h, kvh, d,
+                               bs, block_tables.shape[1], scale, torch.get_num_threads())
     return out
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence: q [B, H, D] → [B, H, D]."""
+    q_starts = torch.arange(q.shape[0] + 1, dtype=torch.int64)
+    return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, q_starts, scale)

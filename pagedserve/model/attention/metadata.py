@@ -23,9 +23,13 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [B_decode, max_context] int64 cache slots (padded)
     decode_mask: torch.Tensor | None  # [B_decode, 1, 1, max_context] bool: True where a key is real
     prefills: list[PrefillSpan]
-    # CPU native decode kernel: the decode sequences' block tables and lengths (int64), no gather
-    decode_block_tables: torch.Tensor | None = None
-    decode_seq_lens: torch.Tensor | None = None
+    # CPU native paged kernel: the batch starts with num_paged_tokens tokens (the decodes, then the
+    # prompt chunks that have earlier context) that attend straight from the cache, no gather.
+    # Their block tables, context lengths and query offsets, int64.
+    num_paged_tokens: int = 0
+    paged_block_tables: torch.Tensor | None = None
+    paged_seq_lens: torch.Tensor | None = None
+    paged_query_starts: torch.Tensor | None = None  # [B_paged + 1]
     # kernel-style views of the same batch (used by CUDA kernels; cheap to build)
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     seq_lens: torch.Tensor | None = None  # [B] int32

@@ -1,9 +1,10 @@
-"""Portable attention over the paged KV cache, with torch's scaled_dot_product_attention.
+"""Attention over the paged KV cache on the CPU (and the portable fallback anywhere).
 
-Decodes are batched: every decode sequence's context is gathered from the cache by slot index
-into one padded tensor and attended in a single SDPA call. Prefill chunks attend one sequence at
-a time (few per step); a first chunk uses its own fresh K/V with a causal mask, a later chunk
-gathers its earlier context from the cache.
+With the native CPU kernel, decodes and prompt chunks that have earlier context (chunked prefill,
+prefix-cache hits) attend straight from the block pool in one call. A prompt's first chunk uses
+torch's scaled_dot_product_attention over its own fresh K/V with a causal mask. Without the
+kernel, decodes gather their contexts by slot index into one padded tensor for a single SDPA
+call, and later chunks gather their context one sequence at a time.
 """
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ class TorchAttentionBackend:
         self._native: dict = {}
 
     def native_decode(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether decodes use the native CPU kernel (reads the pool in place) instead of a gather."""
+        """Whether the native CPU kernel (reads the pool in place) replaces the gathers."""
         key = (device.type, dtype)
         if key not in self._native:
             from pagedserve.model.attention import cpu_kernels
 
             self._native[key] = device.type == "cpu" and cpu_kernels.supports(dtype) and cpu_kernels.load() is not None
             if self._native[key]:
-                self.name = "torch-sdpa + native CPU paged decode"
+                self.name = "torch-sdpa + native CPU paged attention"
         return self._native[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -36,20 +37,24 @@ class TorchAttentionBackend:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd and meta.decode_block_tables is not None:
-            from pagedserve.model.attention.cpu_kernels import paged_decode_attention
+        npaged = meta.num_paged_tokens
+        if npaged:
+            from pagedserve.model.attention.cpu_kernels import paged_attention
 
             shape = (-1, meta.block_size) + tuple(k_cache.shape[1:])
-            out[:nd] = paged_decode_attention(q[:nd], k_cache.view(shape), v_cache.view(shape),
-                                              meta.decode_block_tables, meta.decode_seq_lens, scale)
-        elif nd:
+            out[:npaged] = paged_attention(q[:npaged], k_cache.view(shape), v_cache.view(shape),
+                                           meta.paged_block_tables, meta.paged_seq_lens, meta.paged_query_starts,
+                                           scale)
+        nd = meta.num_decode_tokens
+        if nd and not npaged:
             kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, kvh, L, d]
             vd = v_cache[meta.decode_slots].transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, h, 1, d]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
             out[:nd] = o.squeeze(2)
         for p in meta.prefills:
+            if p.q_end <= npaged:
+                continue
             qs = q[p.q_start:p.q_end].transpose(0, 1)  # [h, n, d]
             if p.context_slots is None:
                 ks = k[p.q_start:p.q_end].transpose(0, 1)
