@@ -41,7 +41,10 @@ def test_bench_throughput_reports_figures(tmp_path):
     assert res["requests"] == 3 and res["output_tokens"] > 0
     assert res["pagedserve"]["output_tokens_per_s"] > 0 and res["pagedserve"]["seconds_median"] > 0
     assert "engine overhead" in r.stdout and "out tok/s" in r.stdout
-    assert res["profile"]["steps"] > 0
+    assert res["profile"]["steps"] > 0 and res["profile"]["seconds"]["logits"] > 0
+    # the ceiling is measured in the same process, on the model's own GEMM shapes
+    assert res["gemm_ceiling_gflops"] > 0 and "GEMM ceiling" in r.stdout
+    assert res["ceiling_fraction"] == res["pagedserve"]["achieved_gflops"] / res["gemm_ceiling_gflops"]
 
 
 def test_help_for_every_command():

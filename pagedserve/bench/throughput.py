@@ -4,6 +4,7 @@ Runs are alternated (ours, baseline, ours, ...) in one process and sitting; medi
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -21,6 +22,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=1, help="alternated runs per engine; medians are reported")
     p.add_argument("--profile", action="store_true", help="print where each engine step's time goes")
     p.add_argument("--output-json", default=None, help="write the figures to this file")
+    p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the GEMM ceiling on the model's layer shapes after the runs and print the "
+                        "fraction of it the engine achieved (default: on)")
     add_engine_args(p)
     p.set_defaults(model="small")
 
@@ -135,6 +139,13 @@ def run(args) -> int:
         result["ratio_output_tokens_per_s"] = result["pagedserve"]["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"]
     if args.profile:
         result["profile"] = ours[-1]["profile"]
+    if args.ceiling:
+        from pagedserve.bench.ceiling import gemm_ceiling
+
+        ceiling = gemm_ceiling(spec, dtype, llm.llm_engine.device)
+        result["gemm_ceiling_gflops"] = ceiling["gflops"]
+        result["gemm_ceiling_by_rows"] = ceiling["by_rows"]
+        result["ceiling_fraction"] = result["pagedserve"]["achieved_gflops"] / ceiling["gflops"]
     _print(result, ours[-1].get("profile_text"))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -155,6 +166,10 @@ def _print(r: dict, profile_text: str | None) -> None:
     if "ratio_output_tokens_per_s" in r:
         print(f"ratio pagedserve / hf (output tok/s): {r['ratio_output_tokens_per_s']:.2f}x")
     p = r["pagedserve"]
+    if "gemm_ceiling_gflops" in r:
+        rows = ", ".join(f"{m} rows {g:.1f}" for m, g in r["gemm_ceiling_by_rows"].items())
+        print(f"GEMM ceiling on the model's shapes: {r['gemm_ceiling_gflops']:.1f} GFLOP/s ({rows}); "
+              f"pagedserve achieved {100 * r['ceiling_fraction']:.1f} % of it")
     print(f"prefill tokens computed: {p['prefill_tokens_computed']} of {r['prompt_tokens']} "
           f"(prefix-cache hits {p['prefix_cache_hit_tokens']} tokens)")
     if profile_text:
