@@ -33,3 +33,25 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(str(d), tuple(p), 8)
+
+
+@pytest.mark.parametrize("arch, extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 64}),
+                                          ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}})])
+def test_spec_read_from_config_json_equals_the_one_from_transformers(tmp_path, arch, extra):
+    """Start-up reads config.json itself (no transformers config import); it must see what transformers sees."""
+    import json
+
+    from transformers import AutoConfig
+
+    from pagedserve.model.spec import ModelSpec
+    from tiny_models import make_tiny_checkpoint
+
+    d = make_tiny_checkpoint(tmp_path / arch, arch, extra_config=extra)
+    cfg = json.loads((d / "config.json").read_text())
+    fast = ModelSpec.from_complete_config_dict(cfg)
+    assert fast is not None and fast == ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(d)))
+    # a config that leaves a model-type default unstated goes through transformers instead
+    for key in ("num_key_value_heads", "tie_word_embeddings"):
+        assert ModelSpec.from_complete_config_dict({k: v for k, v in cfg.items() if k != key}) is None
+    if arch == "mistral":  # Mistral's default window is 4096, not "none"
+        assert ModelSpec.from_complete_config_dict({k: v for k, v in cfg.items() if k != "sliding_window"}) is None

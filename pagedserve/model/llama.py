@@ -16,9 +16,9 @@ from pagedserve.model.spec import ModelSpec
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = spec.num_heads
@@ -37,10 +37,11 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias,
+                                  dtype=dtype)
         # Llama's attention_bias also covers o_proj; Qwen2 has q/k/v biases only.
         self.o_bias = spec.attention_bias and spec.model_type != "qwen2"
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=self.o_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=self.o_bias, dtype=dtype)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, positions, rope, meta, kv_cache, backend):
@@ -56,11 +57,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
         super().__init__()
         self.inter = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -68,12 +69,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, idx: int):
+    def __init__(self, spec: ModelSpec, idx: int, dtype: torch.dtype | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, idx)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.self_attn = Attention(spec, idx, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = MLP(spec, dtype)
 
     def forward(self, h, positions, rope, meta, kv_cache, backend):
         h = h + self.self_attn(self.input_layernorm(h), positions, rope, meta, kv_cache, backend)
@@ -81,13 +82,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, max_positions: int):
+    def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype | None = None):
+        """Parameters are created in `dtype` on the current default device (see loader._build)."""
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

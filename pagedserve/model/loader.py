@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pagedserve.errors import ConfigError
 from pagedserve.model.llama import LlamaForCausalLM
@@ -83,21 +85,27 @@ def _safetensors_getter(path: Path):
     return get
 
 
-def _build(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(spec, max_positions)
-    model = model.to(dtype).to_empty(device=device)
-    # rotary tables are computed, not loaded: rebuild them for real, in float32
-    from pagedserve.model.rope import RotaryEmbedding
+@contextmanager
+def _without_random_init():
+    """Linear and Embedding layers built here keep their freshly allocated (uninitialised) weights:
+    the checkpoint overwrites every one, so random init would only cost time. (Building on the meta
+    device instead would make torch import its compiler stack, seconds of start-up.)"""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
-    model.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling).to(device)
-    return model
+
+def _build(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    with _without_random_init(), torch.device(device):
+        model = LlamaForCausalLM(spec, max_positions, dtype)
+    return model.to(device)  # the rotary tables are computed on the CPU, in float32
 
 
 def load_model(model: str | os.PathLike, *, dtype: str, device: torch.device, max_positions: int | None = None,
                tokenizer: str | None = None, revision: str | None = None) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
-
     path = resolve_model_path(str(model), revision)
     gguf_file = None
     try:
@@ -117,9 +125,7 @@ def load_model(model: str | os.PathLike, *, dtype: str, device: torch.device, ma
     else:
         if not (path / "config.json").exists():
             raise ConfigError(f"{path} has no config.json (expected a Hugging Face model folder or a .gguf file)")
-        cfg = AutoConfig.from_pretrained(str(path))
-        spec = ModelSpec.from_hf_config(cfg)
-        tok = AutoTokenizer.from_pretrained(tokenizer or str(path))
+        spec, tok = _spec_and_tokenizer(path, tokenizer)
         getter = _safetensors_getter(path)
         gen_eos = _generation_eos(path)
     torch_dtype = resolve_dtype(dtype, spec, device)
@@ -129,6 +135,23 @@ def load_model(model: str | os.PathLike, *, dtype: str, device: torch.device, ma
     net.eval()
     eos = list(dict.fromkeys(gen_eos + spec.eos_token_ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])))
     return LoadedModel(net, spec, tok, path, eos)
+
+
+def _spec_and_tokenizer(path: Path, tokenizer: str | None):
+    """ModelSpec and tokenizer of a Hugging Face folder. transformers' AutoConfig imports its whole
+    modelling stack (~2 s of start-up); when config.json is complete and the tokenizer names its
+    class, neither needs it: AutoTokenizer picks the class from tokenizer_config.json and only reads
+    model_type from the config it is given."""
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig
+
+    cfg_dict = json.loads((path / "config.json").read_text())
+    spec = ModelSpec.from_complete_config_dict(cfg_dict)
+    if spec is None:
+        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(path)))
+    tok_cfg = path / "tokenizer_config.json"
+    if tokenizer is None and tok_cfg.exists() and json.loads(tok_cfg.read_text()).get("tokenizer_class"):
+        return spec, AutoTokenizer.from_pretrained(str(path), config=PreTrainedConfig(**cfg_dict))
+    return spec, AutoTokenizer.from_pretrained(tokenizer or str(path))
 
 
 def _generation_eos(path: Path) -> list[int]:

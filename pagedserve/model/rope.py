@@ -39,10 +39,13 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # computed on the CPU even inside a meta-device context: meta arithmetic imports torch._dynamo
+        # (seconds of start-up); callers move or rebuild the module for its real device
+        with torch.device("cpu"):
+            inv_freq = inverse_frequencies(head_dim, theta, scaling)
+            pos = torch.arange(max_positions, dtype=torch.float32)
+            freqs = pos[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.half = head_dim // 2

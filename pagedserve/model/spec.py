@@ -37,6 +37,24 @@ class ModelSpec:
     eos_token_ids: list[int]
 
     @classmethod
+    def from_complete_config_dict(cls, d: dict) -> "ModelSpec | None":
+        """The spec straight from config.json's dict, without importing transformers' config classes
+        (a second or two of start-up), when the file states every field whose default differs
+        between model types; None otherwise, and the caller asks transformers."""
+        required = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+                    "tie_word_embeddings"]
+        if d.get("model_type") == "mistral":
+            required.append("sliding_window")
+        if any(k not in d for k in required) or not ("rope_parameters" in d or "rope_theta" in d):
+            return None
+        if d["model_type"] not in ("llama", "qwen2", "mistral"):
+            return None
+        from types import SimpleNamespace
+
+        return cls.from_hf_config(SimpleNamespace(**d))
+
+    @classmethod
     def from_hf_config(cls, cfg) -> "ModelSpec":
         archs = list(getattr(cfg, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
@@ -36,6 +37,21 @@ def check_fits(config: EngineConfig, num_blocks: int) -> None:
         )
 
 
+def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On the CPU the memory comes from calloc (through numpy), which maps fresh
+    zero pages from the OS instead of writing gigabytes of zeros up front: start-up does not pay for
+    a pool most of which a short run never touches."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64  # cache-line aligned, like torch's own allocations: rows do not straddle lines
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
+
 class KVCache:
     """Per layer a (key, value) pair of [num_blocks, block_size, kv_heads, head_dim] tensors.
 
@@ -45,8 +61,7 @@ class KVCache:
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.blocks = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(spec.num_layers)]
+        self.blocks = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(spec.num_layers)]
         flat = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [(k.view(flat), v.view(flat)) for k, v in self.blocks]
         self.num_blocks = num_blocks
