@@ -6,6 +6,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch_threads = int(os.environ.get("PAGEDSERVE_TEST_THREADS", "0"))
+# Engines here leave their CPU KV pools lazily faulted instead of making them resident in the
+# background: dozens of test engines with multi-GiB pools would otherwise hold that memory.
+# tests/test_kv_memory.py covers the populating path.
+os.environ.setdefault("PAGEDSERVE_POPULATE_KV", "0")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

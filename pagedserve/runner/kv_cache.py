@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
 
-import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
@@ -37,21 +37,6 @@ def check_fits(config: EngineConfig, num_blocks: int) -> None:
         )
 
 
-def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool. On the CPU the memory comes from calloc (through numpy), which maps fresh
-    zero pages from the OS instead of writing gigabytes of zeros up front: start-up does not pay for
-    a pool most of which a short run never touches."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -raw.ctypes.data % 64  # cache-line aligned, like torch's own allocations: rows do not straddle lines
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
-
-
 class KVCache:
     """Per layer a (key, value) pair of [num_blocks, block_size, kv_heads, head_dim] tensors.
 
@@ -61,9 +46,26 @@ class KVCache:
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.blocks = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(spec.num_layers)]
+        self._populator = None
+        if device.type == "cpu":
+            from pagedserve.runner.cpu_memory import Populator, zeroed_cpu_tensor
+
+            pairs = [(zeroed_cpu_tensor(shape, dtype), zeroed_cpu_tensor(shape, dtype)) for _ in range(spec.num_layers)]
+            self.blocks = [(k, v) for (k, _), (v, _) in pairs]
+            if os.environ.get("PAGEDSERVE_POPULATE_KV", "1") != "0":
+                self._populator = Populator([r for (_, rk), (_, rv) in pairs for r in (rk, rv)])
+                self._populator.start()
+        else:
+            self.blocks = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                           for _ in range(spec.num_layers)]
         flat = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [(k.view(flat), v.view(flat)) for k, v in self.blocks]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+
+    def wait_resident(self, timeout: float | None = None) -> bool:
+        """Block until the CPU pool's pages are all faulted in (see runner/cpu_memory.py); True when
+        they are. Benchmarks call it so that timed runs see the steady state, as a long-running
+        server does."""
+        return self._populator is None or self._populator.wait(timeout)
