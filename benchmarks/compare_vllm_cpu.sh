@@ -36,7 +36,7 @@ PS=$ROOT/.venv/bin/pagedserve
 
 if [ "${1:-}" = "--dtype" ] && [ -n "${2:-}" ]; then DTYPE=$2; fi
 MODELS=${MODELS:-small}
-WORKLOADS=${WORKLOADS:-W1 W2 W3}
+WORKLOADS=${WORKLOADS-W1 W2 W3}  # set but empty: start-up only
 DTYPE=${DTYPE:-float32}
 NUM_PROMPTS=${NUM_PROMPTS:-}
 REPEATS=${REPEATS:-3}

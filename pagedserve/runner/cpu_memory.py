@@ -26,7 +26,7 @@ log = logging.getLogger("pagedserve")
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_CHUNK = 32 << 20
+_CHUNK = HUGE_PAGE  # one huge page per call: madvise holds the mm lock, which large allocations wait for
 
 
 def _libc():
