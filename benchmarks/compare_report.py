@@ -148,7 +148,8 @@ def plot(summary: dict, title: str, path: str) -> None:
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
         ratios = {r["workload"]: r.get(ratio_field) for r in rows if r["engine"] == "pagedserve"}
         ax.set_xticks(range(len(workloads)),
-                      [w + (f"\nours ÷ best vLLM: {ratios[w]:.2f}×" if ratios.get(w) else "") for w in workloads])
+                      [w + (f"\nours ÷ best\nvLLM: {ratios[w]:.2f}×" if ratios.get(w) else "") for w in workloads],
+                      fontsize=8)
         ax.set_ylabel(f"{ylabel} (median)")
         ax.set_title(f"{ylabel}, higher is better")
     axes[0][0].legend(fontsize=8)

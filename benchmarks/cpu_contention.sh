@@ -17,7 +17,7 @@ vllm() {
     || { echo "failed:"; tail -5 /tmp/vllm_contention.log; }
 }
 hog_on() { ( while :; do :; done ) & HOG=$!; }
-hog_off() { kill $HOG; wait $HOG 2>/dev/null; }
+hog_off() { kill $HOG; wait $HOG 2>/dev/null || true; }
 
 ours "alone"
 hog_on; ours "with a 1-core hog (default threads)"; hog_off
