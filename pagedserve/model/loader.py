@@ -89,7 +89,9 @@ def _safetensors_getter(path: Path):
 def _without_random_init():
     """Linear and Embedding layers built here keep their freshly allocated (uninitialised) weights:
     the checkpoint overwrites every one, so random init would only cost time. (Building on the meta
-    device instead would make torch import its compiler stack, seconds of start-up.)"""
+    device instead would make torch import its compiler stack, seconds of start-up.) The patch is
+    process-wide for the duration of the build: model loading is not meant to race other threads
+    that construct torch layers."""
     saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
     nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
     try:

@@ -39,8 +39,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        # computed on the CPU even inside a meta-device context: meta arithmetic imports torch._dynamo
-        # (seconds of start-up); callers move or rebuild the module for its real device
+        # computed on the CPU whatever device the model is being built on (loader._build moves it
+        # after): the same float32 tables everywhere, and no meta-device arithmetic, which would
+        # import torch._dynamo (seconds of start-up)
         with torch.device("cpu"):
             inv_freq = inverse_frequencies(head_dim, theta, scaling)
             pos = torch.arange(max_positions, dtype=torch.float32)
