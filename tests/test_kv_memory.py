@@ -19,9 +19,8 @@ def _resident_bytes(addr: int, nbytes: int) -> int | None:
 
 
 def test_pool_is_zero_aligned_and_populated_in_the_background():
-    t, (addr, nbytes) = zeroed_cpu_tensor((64, 16, 4, 64), torch.float32)  # 1 MiB, and one of 64 MiB:
-    big, region = zeroed_cpu_tensor((4096, 16, 4, 64), torch.float32)  # above glibc's largest mmap threshold,
-    before = _resident_bytes(*region)  # so fresh pages, nothing written (or even read) yet
+    t, (addr, nbytes) = zeroed_cpu_tensor((64, 16, 4, 64), torch.float32)  # 1 MiB, and one of 64 MiB
+    big, region = zeroed_cpu_tensor((4096, 16, 4, 64), torch.float32)
     assert t.data_ptr() == addr and addr % HUGE_PAGE == 0 and nbytes == t.numel() * 4
     assert big.data_ptr() % HUGE_PAGE == 0 and not t.any()
     big[3, 2] = 1.5  # the engine may write K/V while the pages are faulted in: nothing is overwritten
@@ -29,8 +28,8 @@ def test_pool_is_zero_aligned_and_populated_in_the_background():
     p.start()
     assert p.wait(60)
     after = _resident_bytes(*region)
-    if before is not None and after is not None and (before or after):  # pagemap readable here
-        assert after == region[1] > before
+    if after:  # pagemap readable here (whether the pages were fresh before depends on the allocator's history)
+        assert after == region[1]
     assert float(big[3, 2, 0, 0]) == 1.5 and float(big.sum()) == 1.5 * 4 * 64 and not t.any()
 
 
