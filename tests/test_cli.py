@@ -54,10 +54,11 @@ def test_help_for_every_command():
         assert r.returncode == 0 and "usage" in r.stdout.lower(), (cmd, r.stderr)
 
 
-def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
-    code = "import pagedserve, os; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+def test_openmp_threads_spin_briefly_unless_the_user_says_otherwise():
+    code = "import pagedserve, os; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert r.stdout.strip() == "PASSIVE"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
-    assert r.stdout.strip() == "ACTIVE"
+    assert r.stdout.split() == ["2000", "None"]
+    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "50"}):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **user})
+        assert r.stdout.split() == [user.get("GOMP_SPINCOUNT", "None"), user.get("OMP_WAIT_POLICY", "None")]
