@@ -3,6 +3,9 @@
 The model sees a flat batch of tokens with their positions and attention metadata; it knows
 nothing of requests. q/k/v and gate/up projections are fused into single GEMMs at load time.
 Numerics follow transformers: RMSNorm in float32, rotary tables in float32, logits in float32.
+A float32 model on the CPU runs its element-wise steps as fused native ops (model/cpu_fused.py):
+the residual stream is then carried as (residual, delta) so each residual add happens inside the
+next RMSNorm's pass, and rotary embedding writes K/V straight into the cache.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.model import cpu_fused
 from pagedserve.model.attention.metadata import AttentionMetadata
 from pagedserve.model.rope import RotaryEmbedding
 from pagedserve.model.spec import ModelSpec
@@ -20,6 +24,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """forward(x), or with `residual`: residual += x in place, then forward(residual)."""
+        return cpu_fused.rms_norm(x, self.weight, self.eps, residual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -55,6 +63,14 @@ class Attention(nn.Module):
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
+    def forward_fused(self, x, positions, rope, meta, kv_cache, backend):
+        """forward() with rotary embedding and the cache write in one native pass; only when the
+        native paged kernel takes the whole batch (see LlamaForCausalLM.forward)."""
+        q = cpu_fused.rope_qkv(self.qkv_proj(x), positions, rope.cos, rope.sin, meta.slot_mapping, kv_cache[0],
+                               kv_cache[1], self.num_heads, self.num_kv_heads, self.head_dim)
+        o = backend.attend_cached(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
@@ -64,6 +80,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
 
     def forward(self, x):
+        if cpu_fused.usable(x):
+            return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -80,6 +98,14 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), positions, rope, meta, kv_cache, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(self, residual, delta, positions, rope, meta, kv_cache, backend, fused_attention: bool):
+        """The same layer on the fused CPU ops: residual += delta (the previous layer's output,
+        None for the first), in place, and this layer's output delta is returned."""
+        x = self.input_layernorm.fused(delta, residual) if delta is not None else self.input_layernorm.fused(residual)
+        attn = self.self_attn.forward_fused if fused_attention else self.self_attn.forward
+        a = attn(x, positions, rope, meta, kv_cache, backend)
+        return self.mlp(self.post_attention_layernorm.fused(a, residual))
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype | None = None):
@@ -95,6 +121,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if cpu_fused.usable(h):
+            fused_attention = (meta.num_paged_tokens == h.shape[0] and hasattr(backend, "attend_cached")
+                               and self.rope.cos.device.type == "cpu")
+            delta = None
+            for layer, cache in zip(self.layers, kv_caches):
+                delta = layer.forward_fused(h, delta, positions, self.rope, meta, cache, backend, fused_attention)
+            return self.norm.fused(delta, h) if delta is not None else self.norm.fused(h)
         for layer, cache in zip(self.layers, kv_caches):
             h = layer(h, positions, self.rope, meta, cache, backend)
         return self.norm(h)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.model import cpu_fused
+
 from pagedserve.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -94,9 +96,9 @@ class Sampler:
         for i, ids in batch.min_token_masks:
             logits[i, ids] = _NEG_INF
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
         else:
-            greedy_tokens = logits.argmax(dim=-1)
+            greedy_tokens = _argmax(logits)
             logits.div_(batch.temperature[:, None])
             if batch.top_k is not None or batch.top_p is not None:
                 self._top_k_top_p(logits, batch.top_k, batch.top_p)
@@ -146,3 +148,9 @@ class Sampler:
             o = out[i]
             o.logprob, o.rank = chosen_l[j], ranks_l[j]
             o.top = list(zip(top_i[j][:n], top_v[j][:n])) if n else []
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    # torch's argmax over [256, 32000] float32 took ~9 ms on 2 cores; the native one reads the
+    # rows once at memory speed
+    return cpu_fused.argmax(logits) if cpu_fused.usable(logits) else logits.argmax(dim=-1)

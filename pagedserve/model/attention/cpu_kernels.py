@@ -1,64 +1,37 @@
 """Native CPU attention kernels: a small C++ library built on first use and called via ctypes.
 
-The paged kernel reads K/V rows where they lie in the block pool, for decodes and for prompt
-chunks that have earlier context (chunked prefill, prefix-cache hits); the portable torch path
-must first gather every sequence's context into a padded copy, per layer and step, which at large
-batches costs more than the attention itself. The library has no torch headers, so it builds in
-about a second with the system C++ compiler; it is cached per source, flags and CPU model under
-$PAGEDSERVE_CACHE (default ~/.cache/pagedserve). Without a compiler, or with
-PAGEDSERVE_CPU_KERNELS=0, the engine keeps the torch path.
+The paged kernel reads K/V rows where they lie in the block pool, for the whole batch: decodes,
+fresh prompts, and prompt chunks with earlier context (chunked prefill, prefix-cache hits). The
+portable torch path must first gather every decode's context into a padded copy, per layer and
+step, which at large batches costs more than the attention itself. The library is built on first
+use (model/native_build.py). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0, the engine keeps
+the torch path.
 """
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import threading
 from pathlib import Path
 
 import torch
 
+from pagedserve.model import native_build
+
 log = logging.getLogger("pagedserve")
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-# -march=native: the build is cached per CPU model below; no -ffinite-math (softmax starts at -inf-free max)
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math"]
+# fast-math-style reassociation for the dot products; not -ffinite-math (softmax starts at -inf)
+_FLAGS = native_build.BASE_FLAGS + ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+                                    "-freciprocal-math"]
 _lock = threading.Lock()
 _lib = None
 _failed: str | None = None
 
 
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [l for l in f if l.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return os.uname().machine
-
-
 def _build() -> Path:
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels" / key
-    lib = root / "libpagedserve_cpu.so"
-    if lib.exists():
-        return lib
-    root.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (install g++)")
-    with open(root / ".lock", "w") as lk:  # several processes may start at once
-        fcntl.flock(lk, fcntl.LOCK_EX)
-        if not lib.exists():
-            tmp = root / f"tmp-{os.getpid()}.so"
-            subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", str(tmp)], check=True, capture_output=True, text=True)
-            tmp.rename(lib)
-    return lib
+    return native_build.build(_SRC, _FLAGS, "libpagedserve_cpu.so")
 
 
 def load():

@@ -1,10 +1,10 @@
 """Attention over the paged KV cache on the CPU (and the portable fallback anywhere).
 
-With the native CPU kernel, decodes and prompt chunks that have earlier context (chunked prefill,
-prefix-cache hits) attend straight from the block pool in one call. A prompt's first chunk uses
-torch's scaled_dot_product_attention over its own fresh K/V with a causal mask. Without the
-kernel, decodes gather their contexts by slot index into one padded tensor for a single SDPA
-call, and later chunks gather their context one sequence at a time.
+With the native CPU kernel, the whole batch (decodes, fresh prompts, prompt chunks with earlier
+context from chunked prefill or prefix-cache hits) attends straight from the block pool in one
+call. Without the kernel (no compiler, other devices), decodes gather their contexts by slot
+index into one padded tensor for a single SDPA call, a prompt's first chunk uses SDPA over its
+own fresh K/V with a causal mask, and later chunks gather their context one sequence at a time.
 """
 from __future__ import annotations
 
@@ -36,15 +36,12 @@ class TorchAttentionBackend:
         """q: [T, h, d]; k, v: [T, kvh, d]; caches: [num_slots, kvh, d] (flat view of the blocks)."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         npaged = meta.num_paged_tokens
+        if npaged == q.shape[0]:  # the native kernel takes the whole batch
+            return self._paged(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if npaged:
-            from pagedserve.model.attention.cpu_kernels import paged_attention
-
-            shape = (-1, meta.block_size) + tuple(k_cache.shape[1:])
-            out[:npaged] = paged_attention(q[:npaged], k_cache.view(shape), v_cache.view(shape),
-                                           meta.paged_block_tables, meta.paged_seq_lens, meta.paged_query_starts,
-                                           scale)
+            out[:npaged] = self._paged(q[:npaged], k_cache, v_cache, meta, scale)
         nd = meta.num_decode_tokens
         if nd and not npaged:
             kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, kvh, L, d]
@@ -69,3 +66,17 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[p.q_start:p.q_end] = o.transpose(0, 1)
         return out
+
+    def attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """forward() for a batch whose new K/V are already in the cache and that the native kernel
+        takes whole (meta.num_paged_tokens == T)."""
+        return self._paged(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def _paged(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        from pagedserve.model.attention.cpu_kernels import paged_attention
+
+        shape = (-1, meta.block_size) + tuple(k_cache.shape[1:])
+        return paged_attention(q, k_cache.view(shape), v_cache.view(shape), meta.paged_block_tables,
+                               meta.paged_seq_lens, meta.paged_query_starts, scale)

@@ -1,0 +1,80 @@
+"""The fused CPU element-wise ops against the torch ops they replace, and the engine with and
+without them."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.model import cpu_fused
+from pagedserve.model.llama import RMSNorm
+from pagedserve.model.rope import RotaryEmbedding
+from hf_reference import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.skipif(cpu_fused.load() is None, reason="fused CPU ops could not be built here")
+
+
+@pytest.mark.parametrize("hidden", [512, 100, 7])
+def test_rms_norm_with_and_without_residual_add(hidden):
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden, generator=g)
+    x = torch.randn(37, hidden, generator=g) * 3
+    res = torch.randn(37, hidden, generator=g)
+    assert torch.allclose(norm.fused(x), norm(x), rtol=1e-5, atol=1e-6)
+    want_sum = res + x
+    want = norm(want_sum)
+    got = norm.fused(x, res)
+    assert torch.equal(res, want_sum)  # the residual add is done in place, rounded as torch rounds it
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("inter", [1536, 13])
+def test_silu_mul_matches_torch(inter):
+    gu = torch.randn(300, 2 * inter, generator=torch.Generator().manual_seed(1)) * 6
+    gate, up = gu.split(inter, dim=-1)
+    assert torch.allclose(cpu_fused.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_writes_the_cache_bit_for_bit_as_the_torch_path():
+    g = torch.Generator().manual_seed(2)
+    t, h, kvh, d, slots = 9, 4, 2, 16, 40
+    rope = RotaryEmbedding(d, 128, 10000.0, None)
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g)
+    positions = torch.tensor([0, 1, 2, 50, 51, 127, 3, 4, 5])
+    slot_mapping = torch.randperm(slots, generator=g)[:t]
+    k_cache = torch.full((slots, kvh, d), 7.0)
+    v_cache = torch.full((slots, kvh, d), 7.0)
+    q = cpu_fused.rope_qkv(qkv, positions, rope.cos, rope.sin, slot_mapping, k_cache, v_cache, h, kvh, d)
+    q_ref, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q_want, k_want = rope(positions, q_ref.reshape(t, h, d), k.reshape(t, kvh, d))
+    assert torch.equal(q, q_want)
+    assert torch.equal(k_cache[slot_mapping], k_want)
+    assert torch.equal(v_cache[slot_mapping], v.reshape(t, kvh, d))
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert (k_cache[untouched] == 7).all() and (v_cache[untouched] == 7).all()
+
+
+def test_argmax_first_on_ties_and_nan_largest():
+    x = torch.randn(6, 1003, generator=torch.Generator().manual_seed(3))
+    x[1, 10] = x[1, 900] = 50.0  # tie: the first wins
+    x[2, 1002] = 60.0  # in the scalar tail
+    x[3, 5] = float("nan")
+    x[3, 7] = 80.0
+    x[4] = float("-inf")
+    assert cpu_fused.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    assert cpu_fused.argmax(x).tolist()[1:4] == [10, 1002, 5]
+    short = torch.randn(3, 5)  # rows shorter than a vector
+    assert torch.equal(cpu_fused.argmax(short), short.argmax(dim=-1))
+
+
+def test_engine_greedy_same_with_and_without_fused_ops(llama_dir, monkeypatch):
+    prompts = random_prompts(5, 300, [3, 33, 90], seed=5)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    fused = LLM(model=str(llama_dir), num_gpu_blocks_override=256)
+    a = fused.generate(reqs, sp)
+    monkeypatch.setattr(cpu_fused, "usable", lambda x: False)
+    b = LLM(model=str(llama_dir), num_gpu_blocks_override=256).generate(reqs, sp)
+    for p, x, y in zip(prompts, a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(p), 8)
