@@ -73,7 +73,7 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="Processed prompts")
         while pending:
-            outs = eng.step()
+            outs = eng.step(finished_only=True)
             if not outs and not eng.has_unfinished_requests():
                 break
             for o in outs:

@@ -73,3 +73,26 @@ def test_trailing_partial_character_is_flushed_at_the_end(tok):
     assert d.visible_text(False) == ""
     d.flush(full)
     assert d.visible_text(True) == tok.decode(ids[:1]) and "\ufffd" in d.text
+
+
+def test_fast_decode_matches_transformers_decode(tok):
+    import random
+
+    from pagedserve.engine.detokenizer import fast_decode
+
+    dec = fast_decode(tok)
+    rng = random.Random(0)
+    specials = list(tok.all_special_ids)
+    for n in (1, 2, 7, 40):
+        for _ in range(30):
+            ids = [rng.randrange(tok.vocab_size) for _ in range(n)] + rng.sample(specials, min(2, len(specials)))
+            rng.shuffle(ids)
+            for skip in (True, False):
+                assert dec(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_fast_decode_keeps_transformers_when_it_cleans_up_spaces(tok, monkeypatch):
+    from pagedserve.engine.detokenizer import fast_decode
+
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True, raising=False)
+    assert fast_decode(tok) == tok.decode

@@ -10,13 +10,27 @@ from __future__ import annotations
 _LOOKBACK = 6  # tokens of context decoded before the new ones (tokenizers merge spaces per word)
 
 
+def fast_decode(tokenizer):
+    """tokenizer.decode, or the same decode of its Rust `tokenizers` backend called directly.
+
+    transformers' decode wraps the backend's in argument conversion that cost more than the
+    decode itself (two calls per generated token: ~8 ms of a 256-sequence step). The backend is
+    used only when transformers would return its text unchanged (no clean-up of spaces).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
+
+
 class IncrementalDetokenizer:
-    __slots__ = ("tokenizer", "skip_special", "prefix_offset", "read_offset", "text", "stops",
+    __slots__ = ("tokenizer", "decode", "skip_special", "prefix_offset", "read_offset", "text", "stops",
                  "max_stop_len", "include_stop", "stopped_on")
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stops: list[str], include_stop: bool,
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.decode = fast_decode(tokenizer)
         self.skip_special = skip_special_tokens
         self.read_offset = len(prompt_token_ids)
         self.prefix_offset = max(0, self.read_offset - _LOOKBACK)
@@ -28,7 +42,7 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> None:
         """token_ids: the whole sequence (prompt + output), after new tokens were appended."""
-        dec = self.tokenizer.decode
+        dec = self.decode
         prefix = dec(token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
         full = dec(token_ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -41,7 +55,7 @@ class IncrementalDetokenizer:
         """At the end: emit what is still pending, even an incomplete character (as U+FFFD)."""
         if self.read_offset >= len(token_ids) or self.stopped_on is not None:
             return
-        dec = self.tokenizer.decode
+        dec = self.decode
         prefix = dec(token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
         full = dec(token_ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
         self.read_offset = len(token_ids)

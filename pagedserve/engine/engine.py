@@ -204,7 +204,10 @@ class LLMEngine:
     def _phase(self, name: str):
         return self.profiler.phase(name) if self.profiler is not None else NULL_PHASE
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step. Returns an output for every request that got new tokens, or with
+        finished_only (offline batch use) only for those that finished: building a streaming
+        snapshot of each running request costs ~4 ms per 256-sequence step."""
         with self._phase("schedule"):
             sched = self.scheduler.schedule()
         self._step_prompt_tokens = self._step_generation_tokens = 0
@@ -220,9 +223,9 @@ class LLMEngine:
                 m.first_scheduled_time = now
         result = self.runner.execute(sched, self._phase)
         with self._phase("postprocess"):
-            return self._process_result(sched, result)
+            return self._process_result(sched, result, finished_only)
 
-    def _process_result(self, sched, result) -> list[RequestOutput]:
+    def _process_result(self, sched, result, finished_only: bool = False) -> list[RequestOutput]:
         for e in sched.scheduled:
             seq = e.seq
             seq.num_computed_tokens = e.start + e.num_new_tokens
@@ -238,7 +241,7 @@ class LLMEngine:
             self._append_token(seq, tok, now)
             touched[seq.request.request_id] = seq.request
         self._step_generation_tokens = len(result.sampled)
-        outputs = [self._make_output(req) for req in touched.values()]
+        outputs = [self._make_output(req) for req in touched.values() if req.finished or not finished_only]
         for req in touched.values():
             if req.finished:
                 self.requests.pop(req.request_id, None)
