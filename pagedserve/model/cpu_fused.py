@@ -8,54 +8,27 @@ compiler leave the model on its torch ops, which compute the same thing).
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import threading
 from pathlib import Path
 
 import torch
 
 from pagedserve.model import native_build
 
-log = logging.getLogger("pagedserve")
-
 _SRC = Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp"
 # no contraction into fused multiply-adds: products and sums are rounded as torch rounds them
 _FLAGS = native_build.BASE_FLAGS + ["-ffp-contract=off"]
-_lock = threading.Lock()
-_lib = None
-_failed: str | None = None
-
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
-    "rms_norm_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _F, _N],
-    "silu_mul_f32": [_P, _P, _I, _I, _N],
-    "rope_qkv_f32": [_P] * 8 + [_I] * 4 + [_N],
-    "argmax_f32": [_P, _I, _I, _P, _N],
-}
+_native = native_build.NativeLibrary(_SRC, _FLAGS, "libpagedserve_ops.so", {
+    "rms_norm_f32": (None, [_P, _I, _P, _P, _P, _I, _I, _I, _F, _N]),
+    "silu_mul_f32": (None, [_P, _P, _I, _I, _N]),
+    "rope_qkv_f32": (None, [_P] * 8 + [_I] * 4 + [_N]),
+    "argmax_f32": (None, [_P, _I, _I, _P, _N]),
+}, "fused CPU ops", "using torch ops")
 
 
 def load():
     """The loaded library, or None (the reason logged once) when it cannot be built."""
-    global _lib, _failed
-    if _lib is not None or _failed is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _failed is None:
-            if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
-                _failed = "disabled by PAGEDSERVE_CPU_KERNELS=0"
-                return None
-            try:
-                lib = ctypes.CDLL(str(native_build.build(_SRC, _FLAGS, "libpagedserve_ops.so")))
-                for name, args in _SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.restype, fn.argtypes = None, args
-                _lib = lib
-            except Exception as e:
-                err = getattr(e, "stderr", "") or str(e)
-                _failed = f"{type(e).__name__}: {err.strip().splitlines()[-1] if err.strip() else ''}"
-                log.warning("fused CPU ops unavailable (%s); using torch ops", _failed)
-    return _lib
+    return _native.load()
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -70,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty((t, h), dtype=x.dtype)
     if residual is not None:
         assert residual.is_contiguous() and residual.shape == x.shape
-    _lib.rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+    _native.lib.rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
                       weight.data_ptr(), out.data_ptr(), h, t, h, eps, torch.get_num_threads())
     return out
 
@@ -80,7 +53,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     t, two_i = gate_up.shape
     out = torch.empty((t, two_i // 2), dtype=gate_up.dtype)
-    _lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+    _native.lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
     return out
 
 
@@ -94,7 +67,7 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     assert positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64
     t = qkv.shape[0]
     q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype)
-    _lib.rope_qkv_f32(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+    _native.lib.rope_qkv_f32(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
                       q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, num_heads, num_kv_heads, head_dim,
                       torch.get_num_threads())
     return q
@@ -105,5 +78,5 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     r, v = x.shape
     out = torch.empty(r, dtype=torch.int64)
-    _lib.argmax_f32(x.data_ptr(), r, v, out.data_ptr(), torch.get_num_threads())
+    _native.lib.argmax_f32(x.data_ptr(), r, v, out.data_ptr(), torch.get_num_threads())
     return out

@@ -10,61 +10,31 @@ the torch path.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import threading
 from pathlib import Path
 
 import torch
 
 from pagedserve.model import native_build
 
-log = logging.getLogger("pagedserve")
-
 _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 # fast-math-style reassociation for the dot products; not -ffinite-math (softmax starts at -inf)
 _FLAGS = native_build.BASE_FLAGS + ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
                                     "-freciprocal-math"]
-_lock = threading.Lock()
-_lib = None
-_failed: str | None = None
-
-
-def _build() -> Path:
-    return native_build.build(_SRC, _FLAGS, "libpagedserve_cpu.so")
+_FN = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+_ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+_native = native_build.NativeLibrary(
+    _SRC, _FLAGS, "libpagedserve_cpu.so",
+    {**{name: (None, _ARGS) for name in _FN.values()}, "paged_attention_vectorized": (ctypes.c_int, [])},
+    "CPU attention kernel", "using the torch gather path")
 
 
 def load():
     """The loaded library, or None (the reason logged once) when it cannot be built."""
-    global _lib, _failed
-    if _lib is not None or _failed is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _failed is None:
-            if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
-                _failed = "disabled by PAGEDSERVE_CPU_KERNELS=0"
-            else:
-                try:
-                    lib = ctypes.CDLL(str(_build()))
-                    for name in _FN.values():
-                        fn = getattr(lib, name)
-                        fn.restype = None
-                        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-                    lib.paged_attention_vectorized.restype = ctypes.c_int
-                    log.debug("CPU attention kernel built (vectorised: %s)", bool(lib.paged_attention_vectorized()))
-                    _lib = lib
-                except Exception as e:
-                    err = getattr(e, "stderr", "") or str(e)
-                    _failed = f"{type(e).__name__}: {err.strip().splitlines()[-1] if err.strip() else ''}"
-                    log.warning("CPU attention kernel unavailable (%s); using the torch gather path", _failed)
-    return _lib
+    return _native.load()
 
 
 def failure_reason() -> str | None:
-    return _failed
-
-
-_FN = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+    return _native.failure_reason
 
 
 def supports(dtype: torch.dtype) -> bool:
