@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if cpu_fused.usable(h):
-            fused_attention = (meta.num_paged_tokens == h.shape[0] and hasattr(backend, "attend_cached")
+            fused_attention = (meta.num_paged_tokens > 0 and hasattr(backend, "attend_cached")
                                and self.rope.cos.device.type == "cpu")
             delta = None
             for layer, cache in zip(self.layers, kv_caches):

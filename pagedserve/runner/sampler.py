@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.model import cpu_fused
-
 from pagedserve.engine.sequence import Sequence
+from pagedserve.model import cpu_fused
 
 _NEG_INF = float("-inf")
 

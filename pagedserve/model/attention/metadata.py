@@ -23,9 +23,9 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [B_decode, max_context] int64 cache slots (padded)
     decode_mask: torch.Tensor | None  # [B_decode, 1, 1, max_context] bool: True where a key is real
     prefills: list[PrefillSpan]
-    # CPU native paged kernel: the first num_paged_tokens tokens of the batch (with the kernel, all
-    # of them) attend straight from the cache, no gather. Their block tables, context lengths and
-    # query offsets, int64.
+    # CPU native paged kernel: num_paged_tokens is the batch's token count when the kernel attends
+    # the whole batch straight from the cache (no gather), else 0. Block tables, context lengths
+    # and query offsets of every sequence, int64.
     num_paged_tokens: int = 0
     paged_block_tables: torch.Tensor | None = None
     paged_seq_lens: torch.Tensor | None = None

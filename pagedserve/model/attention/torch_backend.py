@@ -36,22 +36,17 @@ class TorchAttentionBackend:
         """q: [T, h, d]; k, v: [T, kvh, d]; caches: [num_slots, kvh, d] (flat view of the blocks)."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        npaged = meta.num_paged_tokens
-        if npaged == q.shape[0]:  # the native kernel takes the whole batch
+        if meta.num_paged_tokens:  # the native kernel takes the whole batch
             return self._paged(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
-        if npaged:
-            out[:npaged] = self._paged(q[:npaged], k_cache, v_cache, meta, scale)
         nd = meta.num_decode_tokens
-        if nd and not npaged:
+        if nd:
             kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, kvh, L, d]
             vd = v_cache[meta.decode_slots].transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, h, 1, d]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
             out[:nd] = o.squeeze(2)
         for p in meta.prefills:
-            if p.q_end <= npaged:
-                continue
             qs = q[p.q_start:p.q_end].transpose(0, 1)  # [h, n, d]
             if p.context_slots is None:
                 ks = k[p.q_start:p.q_end].transpose(0, 1)
@@ -69,8 +64,8 @@ class TorchAttentionBackend:
 
     def attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
-        """forward() for a batch whose new K/V are already in the cache and that the native kernel
-        takes whole (meta.num_paged_tokens == T)."""
+        """forward() for a native-kernel batch (meta.num_paged_tokens set) whose new K/V are
+        already in the cache."""
         return self._paged(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
