@@ -37,19 +37,24 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, block_size):
     assert torch.allclose(got.float(), _reference(q, kc, vc, bt, lens, d ** -0.5), atol=tol)
 
 
-@pytest.mark.parametrize("head_dim", [64, 12])  # 12: not a multiple of 8, the scalar path
+# (head_dim, block_size, heads, kv_heads): the vector path; a head size that is not a multiple of 8
+# (the scalar path); odd numbers of 8-wide vectors per head and per block (the tiles' remainders);
+# three query heads per kv head; no grouping
+@pytest.mark.parametrize("head_dim, bs, heads, kv_heads", [(64, 16, 8, 2), (12, 16, 8, 2), (40, 24, 8, 2),
+                                                           (64, 16, 6, 2), (64, 8, 4, 4)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, dtype, tol):
+def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, bs, heads, kv_heads, dtype, tol):
     """Several query tokens per sequence (a prompt chunk after cached context), mixed with decodes."""
     if cpu_kernels.load() is None:
         pytest.skip(f"native CPU kernel unavailable here: {cpu_kernels.failure_reason()}")
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, bs, n_blocks = 8, 2, 16, 64
+    n_blocks = 64
     kc = torch.randn(n_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
     vc = torch.randn(n_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
-    lens = [1, 40, 37, 200, 9]
-    q_lens = [1, 1, 20, 37, 9]  # decodes, a chunk after 17 cached tokens, a whole prompt, ...
-    bt = torch.stack([torch.randperm(n_blocks, generator=g)[:13] for _ in lens])
+    # decodes, a chunk after 17 cached tokens, whole prompts (one over several query chunks), ...
+    lens = [1, 40, 37, 200, 9, 75]
+    q_lens = [1, 1, 20, 37, 9, 75]
+    bt = torch.stack([torch.randperm(n_blocks, generator=g)[:-(-200 // bs)] for _ in lens])
     q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
     starts = torch.tensor([0] + q_lens).cumsum(0)
     got = cpu_kernels.paged_attention(q, kc, vc, bt, torch.tensor(lens), starts, head_dim ** -0.5)

@@ -1,9 +1,9 @@
 """Builds the small C++ CPU libraries on first use, caches them, and loads them.
 
 The libraries have no torch headers, so each builds in about a second with the system C++
-compiler. A build is cached per source, flags and CPU model (the flags say -march=native) under
-$PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/kernels, and several processes starting at once
-build it only once.
+compiler. A build is cached per source (with the headers beside it), flags and CPU model (the
+flags say -march=native) under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/kernels, and
+several processes starting at once build it only once.
 """
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def _cpu_id() -> str:
 
 def build(src: Path, flags: list[str], lib_name: str) -> Path:
     """The path of the shared library built from `src` with `flags` (built now if not cached)."""
-    key = hashlib.sha256(src.read_bytes() + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
+    # the headers beside the source are part of it (the attention kernel is split into several)
+    sources = b"".join(p.read_bytes() for p in [src, *sorted(src.parent.glob("*.h"))])
+    key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
     root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels" / key
     lib = root / lib_name
     if lib.exists():

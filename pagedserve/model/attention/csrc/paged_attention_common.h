@@ -1,0 +1,134 @@
+// Shared parts of the CPU paged-attention kernel (paged_attention_cpu.cpp): element access for
+// float32 and bfloat16, the item shapes, and the AVX2 helpers both paths use.
+#pragma once
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PS_HAVE_AVX2 1
+#endif
+
+// Pins a loaded vector in a register. GCC otherwise folds a vector that several FMAs share into
+// each of them as a reloaded memory operand, which makes the inner loops load-bound.
+#define PS_KEEP(v) __asm__("" : "+x"(v))
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) {  // bfloat16 -> float32
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(uint16_t* p, float v) {  // float32 -> bfloat16, round to nearest even
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+
+struct Shape {
+  int64_t H, KVH, D, BS, MAXB;
+  float scale;
+};
+
+// Running softmax state of one (query, head) row: max, normaliser, weighted sum of V.
+struct Row {
+  float m, l;
+  float* acc;  // [D]
+};
+
+// Rows of an item: (query i, head h) for the heads of kv heads [kh0, kh1), query-major.
+struct Rows {
+  int64_t qn, h0, HH, G;  // HH heads per query, starting at head h0
+  int64_t count() const { return qn * HH; }
+  int64_t query(int64_t r) const { return r / HH; }
+  int64_t head(int64_t r) const { return h0 + r % HH; }
+  int64_t kv_head(int64_t r) const { return head(r) / G; }
+};
+
+#ifdef PS_HAVE_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// exp for arguments <= 0 (scores minus their running max): Cephes-style range reduction and a
+// degree-6 polynomial, about 1 ulp; inputs below -87 flush to ~1e-38, which the caller masks.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+// lane j of the result = sum of the lanes of a[j]
+inline __m256 transpose_sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Requests one K/V block's lines for the item's kv heads [e0, e1) (element offsets within a token
+// row) into L2, spread over `calls` calls of step(): each issues the next slice of lines.
+template <typename T>
+class BlockPrefetch {
+ public:
+  BlockPrefetch() = default;
+  BlockPrefetch(const T* k, const T* v, int64_t tokens, int64_t row_stride, int64_t e0, int64_t e1, int64_t calls)
+      : k_(reinterpret_cast<const char*>(k + e0)), v_(reinterpret_cast<const char*>(v + e0)),
+        row_bytes_(row_stride * static_cast<int64_t>(sizeof(T))),
+        lines_per_row_(((e1 - e0) * static_cast<int64_t>(sizeof(T)) + 63) / 64), total_(tokens * lines_per_row_),
+        per_call_((total_ + calls - 1) / std::max<int64_t>(calls, 1)) {}
+  void step() {
+    for (int64_t left = std::min(per_call_, total_ - done_); left > 0; --left, ++done_) {
+      _mm_prefetch(k_ + off_, _MM_HINT_T1);
+      _mm_prefetch(v_ + off_, _MM_HINT_T1);
+      off_ += 64;
+      if (++col_ == lines_per_row_) col_ = 0, off_ += row_bytes_ - lines_per_row_ * 64;  // next token's row
+    }
+  }
+
+ private:
+  const char* k_ = nullptr;
+  const char* v_ = nullptr;
+  int64_t row_bytes_ = 0, lines_per_row_ = 1, total_ = 0, per_call_ = 0, done_ = 0, col_ = 0, off_ = 0;
+};
+#endif
+
+}  // namespace

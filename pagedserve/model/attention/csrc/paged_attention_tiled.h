@@ -1,0 +1,259 @@
+// The tiled path of the CPU paged-attention kernel, for prompt chunks (AVX2, head size a multiple
+// of 8).
+//
+// With qn queries, the G heads of a kv head give qn*G rows that all read the same K/V block, so
+// the block is worth rearranging once: K is transposed to KT[d][t] and the scores become a small
+// matrix product, 6 rows x 16 keys of accumulators with broadcast queries (no horizontal sums),
+// and P·V is 6 rows x 16 dims. Both do ~0.7 loads per FMA instead of ~1.1 plus a transpose-sum
+// per 8 scores. A 512-token prompt's attention: 1.2-1.3x faster than the row-at-a-time path.
+#pragma once
+#include "paged_attention_common.h"
+
+namespace {
+
+#ifdef PS_HAVE_AVX2
+
+// out[0..8) = the 8x8 transpose of rows r[0..8)
+inline void transpose8x8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// KT[d * W + t] = k_t[d] for the block's first nv tokens (rows `stride` apart), 0 for t in [nv, W)
+template <typename T>
+inline void transpose_keys(const T* k, int64_t stride, int64_t nv, int64_t D, int64_t W, float* KT) {
+  for (int64_t t0 = 0; t0 < W; t0 += 8) {
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = t0 + j < nv ? load8(k + (t0 + j) * stride + d0) : _mm256_setzero_ps();
+      transpose8x8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(KT + (d0 + j) * W + t0, r[j]);
+    }
+  }
+}
+
+// The tiles name each accumulator: GCC kept a __m256 array of 12 in memory and stored every
+// element on every iteration, which made the loop store-bound.
+#define PS_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+
+// s[r][8*k0 ..] (and the next 8 keys when NK == 2) = sum_d q[r][d] * KT[d][..] for NR <= 6 rows
+template <int NR, int NK>
+inline void scores_tile(const float* q, int64_t D, const float* KT, int64_t W, int64_t k0, float* s, int64_t ldS) {
+#define PS_DECL(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();
+  PS_ROWS(PS_DECL)
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k0v = _mm256_loadu_ps(KT + d * W + 8 * k0), k1v = k0v;
+    if (NK > 1) k1v = _mm256_loadu_ps(KT + d * W + 8 * k0 + 8);
+    PS_KEEP(k0v);
+    PS_KEEP(k1v);
+#define PS_FMA(i)                                                  \
+  if (NR > i) {                                                    \
+    const __m256 b = _mm256_broadcast_ss(q + i * D + d);           \
+    a##i##0 = _mm256_fmadd_ps(b, k0v, a##i##0);                    \
+    if (NK > 1) a##i##1 = _mm256_fmadd_ps(b, k1v, a##i##1);        \
+  }
+    PS_ROWS(PS_FMA)
+#undef PS_FMA
+  }
+#define PS_STORE(i)                                                                  \
+  if (NR > i) {                                                                      \
+    _mm256_storeu_ps(s + i * ldS + 8 * k0, a##i##0);                                 \
+    if (NK > 1) _mm256_storeu_ps(s + i * ldS + 8 * k0 + 8, a##i##1);                 \
+  }
+  PS_ROWS(PS_STORE)
+#undef PS_STORE
+#undef PS_DECL
+}
+
+// acc[r][8*c0 ..] (and the next 8 dims when NV == 2) = alpha[r] * acc + sum_t p[r][t] * v_t[..]
+template <int NR, int NV, typename T>
+inline void pv_tile(float* acc, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* v, int64_t stride,
+                    int64_t n, int64_t c0) {
+#define PS_LOAD(i)                                                                          \
+  __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();                      \
+  if (NR > i) {                                                                             \
+    const __m256 al = _mm256_set1_ps(alpha[i]);                                             \
+    a##i##0 = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * c0), al);                     \
+    if (NV > 1) a##i##1 = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + 8 * c0 + 8), al);     \
+  }
+  PS_ROWS(PS_LOAD)
+#undef PS_LOAD
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 v0 = load8(v + t * stride + 8 * c0), v1 = v0;
+    if (NV > 1) v1 = load8(v + t * stride + 8 * c0 + 8);
+    PS_KEEP(v0);
+    PS_KEEP(v1);
+#define PS_FMA(i)                                                  \
+  if (NR > i) {                                                    \
+    const __m256 b = _mm256_broadcast_ss(p + i * ldP + t);         \
+    a##i##0 = _mm256_fmadd_ps(b, v0, a##i##0);                     \
+    if (NV > 1) a##i##1 = _mm256_fmadd_ps(b, v1, a##i##1);         \
+  }
+    PS_ROWS(PS_FMA)
+#undef PS_FMA
+  }
+#define PS_STORE(i)                                                                  \
+  if (NR > i) {                                                                      \
+    _mm256_storeu_ps(acc + i * D + 8 * c0, a##i##0);                                 \
+    if (NV > 1) _mm256_storeu_ps(acc + i * D + 8 * c0 + 8, a##i##1);                 \
+  }
+  PS_ROWS(PS_STORE)
+#undef PS_STORE
+}
+#undef PS_ROWS
+
+// Row tiles of kTileRows: 6 rows x 2 vectors is 12 independent FMA chains, enough to cover the
+// FMA latency (8 chains left the FMA units idle a third of the time), in 15 of the 16 registers.
+constexpr int64_t kTileRows = 6;
+
+template <int NK>
+inline void scores_rows(const float* q, int64_t rows, int64_t D, const float* KT, int64_t W, int64_t k0, float* s,
+                        int64_t ldS) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) scores_tile<kTileRows, NK>(q + r * D, D, KT, W, k0, s + r * ldS, ldS);
+  switch (rows - r) {
+    case 5: scores_tile<5, NK>(q + r * D, D, KT, W, k0, s + r * ldS, ldS); break;
+    case 4: scores_tile<4, NK>(q + r * D, D, KT, W, k0, s + r * ldS, ldS); break;
+    case 3: scores_tile<3, NK>(q + r * D, D, KT, W, k0, s + r * ldS, ldS); break;
+    case 2: scores_tile<2, NK>(q + r * D, D, KT, W, k0, s + r * ldS, ldS); break;
+    case 1: scores_tile<1, NK>(q + r * D, D, KT, W, k0, s + r * ldS, ldS); break;
+    default: break;
+  }
+}
+
+// rows are in query order, so the last row of a tile sees the most keys; the others' extra
+// probabilities are 0
+template <int NV, typename T>
+inline void pv_rows(float* acc, int64_t rows, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* v,
+                    int64_t stride, const int64_t* n_of, int64_t c0) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) {
+    const int64_t n = n_of[r + kTileRows - 1];
+    if (n > 0) pv_tile<kTileRows, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0);
+  }
+  const int64_t n = rows > r ? n_of[rows - 1] : 0;
+  if (n <= 0) return;
+  switch (rows - r) {
+    case 5: pv_tile<5, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
+    case 4: pv_tile<4, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
+    case 3: pv_tile<3, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
+    case 2: pv_tile<2, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
+    case 1: pv_tile<1, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
+    default: break;
+  }
+}
+
+// One kv head of an item at a time, all of the context, so its working set (queries, sums,
+// transposed keys, scores: ~13 KB for 16 rows of 64) stays in L1 next to the streaming block;
+// all kv heads at once had 32 KB of queries and sums alone and ran from L2.
+template <typename T>
+void kv_head_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t q_first_pos, int64_t qn,
+                   int64_t h_first, int64_t G, const Shape& s, T* out, float* work) {
+  const int64_t D = s.D, RK = qn * G, row_stride = s.KVH * D, W = (s.BS + 7) / 8 * 8;
+  const int64_t hoff = h_first / G * D;  // this kv head's offset within a token row
+  float* qf = work;            // [RK, D] scaled queries, rows (query, head in group)
+  float* acc = qf + RK * D;    // [RK, D]
+  float* sp = acc + RK * D;    // [RK, W] scores, then probabilities
+  float* KT = sp + RK * W;     // [D, W]
+  float* m = KT + D * W;       // [RK] running max
+  float* l = m + RK;           // [RK] running normaliser
+  float* alpha = l + RK;       // [RK]
+  int64_t* n_of = reinterpret_cast<int64_t*>(alpha + RK + (RK & 1));  // [RK] keys of the block each row sees
+  const __m256 vscale = _mm256_set1_ps(s.scale);
+  for (int64_t i = 0; i < qn; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const T* qr = q + (i * s.H + h_first + g) * D;
+      for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(qf + r * D + c, _mm256_mul_ps(load8(qr + c), vscale));
+      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+      m[r] = kNegInf;
+      l[r] = 0.f;
+    }
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), ninf = _mm256_set1_ps(kNegInf);
+  const int64_t last = q_first_pos + qn - 1;
+  for (int64_t t0 = 0; t0 <= last; t0 += s.BS) {
+    const T* block_k = kc + table[t0 / s.BS] * s.BS * row_stride + hoff;
+    const T* block_v = vc + table[t0 / s.BS] * s.BS * row_stride + hoff;
+    const int64_t nv = std::min(s.BS, last + 1 - t0);  // tokens of this block some row can see
+    BlockPrefetch<T> pf;
+    if (t0 + s.BS <= last) {
+      const int64_t nb = table[t0 / s.BS + 1] * s.BS * row_stride;
+      pf = BlockPrefetch<T>(kc + nb, vc + nb, s.BS, row_stride, hoff, hoff + D, 2);
+    }
+    for (int64_t i = 0; i < qn; ++i)
+      for (int64_t g = 0; g < G; ++g) n_of[i * G + g] = std::min(s.BS, q_first_pos + i + 1 - t0);
+    pf.step();
+    transpose_keys(block_k, row_stride, nv, D, W, KT);
+    for (int64_t k0 = 0; k0 < W / 8; k0 += 2) {
+      if (k0 + 2 <= W / 8) scores_rows<2>(qf, RK, D, KT, W, k0, sp, W);
+      else scores_rows<1>(qf, RK, D, KT, W, k0, sp, W);
+    }
+    // online softmax per row; probabilities of keys a row cannot see (and of rows that see none)
+    // are exactly 0, so the P·V tiles can run every row of a tile to the tile's longest n
+    for (int64_t r = 0; r < RK; ++r) {
+      float* sr = sp + r * W;
+      const int64_t n = n_of[r];
+      if (n <= 0) {
+        std::fill(sr, sr + W, 0.f);
+        alpha[r] = 1.f;
+        continue;
+      }
+      const __m256 vn = _mm256_set1_ps(static_cast<float>(n));
+      __m256 mx = ninf;
+      for (int64_t c0 = 0; c0 < W; c0 += 8) {
+        const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(c0))), vn, _CMP_LT_OQ);
+        const __m256 sv = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + c0), valid);
+        _mm256_storeu_ps(sr + c0, sv);
+        mx = _mm256_max_ps(mx, sv);
+      }
+      const float mnew = std::max(m[r], hmax8(mx));
+      alpha[r] = m[r] == kNegInf ? 0.f : std::exp(m[r] - mnew);
+      const __m256 vm = _mm256_set1_ps(mnew);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t c0 = 0; c0 < W; c0 += 8) {
+        const __m256 sv = _mm256_loadu_ps(sr + c0);
+        const __m256 pv = _mm256_and_ps(exp8(_mm256_sub_ps(sv, vm)), _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(sr + c0, pv);
+        sum = _mm256_add_ps(sum, pv);
+      }
+      l[r] = l[r] * alpha[r] + hsum8(sum);
+      m[r] = mnew;
+    }
+    pf.step();
+    for (int64_t c0 = 0; c0 < D / 8; c0 += 2) {
+      if (c0 + 2 <= D / 8) pv_rows<2>(acc, RK, D, alpha, sp, W, block_v, row_stride, n_of, c0);
+      else pv_rows<1>(acc, RK, D, alpha, sp, W, block_v, row_stride, n_of, c0);
+    }
+  }
+  for (int64_t i = 0; i < qn; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      T* o = out + (i * s.H + h_first + g) * D;
+      const float inv = 1.f / l[r];
+      for (int64_t d = 0; d < D; ++d) store1(o + d, acc[r * D + d] * inv);
+    }
+}
+
+template <typename T>
+void item_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t q_first_pos, const Rows& rs,
+                const Shape& s, T* out, float* work) {
+  for (int64_t h = rs.h0; h < rs.h0 + rs.HH; h += rs.G)
+    kv_head_tiled(q, kc, vc, table, q_first_pos, rs.qn, h, rs.G, s, out, work);
+}
+#endif
+
+}  // namespace
