@@ -1,0 +1,5 @@
+import sys
+
+from pagedserve.plan.cli import main
+
+sys.exit(main())
