@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pagedserve.engine.async_engine import EngineObserver, RequestStream
+from pagedserve.engine.request_stream import EngineObserver, RequestStream
 
 PREFIX = "pagedserve:"
 

@@ -17,8 +17,8 @@ import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from pagedserve.engine.async_engine import (
-    AsyncEngine,
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.request_stream import (
     EngineDeadError,
     EngineShuttingDownError,
     QueueFullError,

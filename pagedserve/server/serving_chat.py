@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedserve.engine.async_engine import (
+from pagedserve.engine.request_stream import (
     EngineDeadError,
     EngineShuttingDownError,
     QueueFullError,
