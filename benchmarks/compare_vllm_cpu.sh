@@ -16,6 +16,7 @@
 #   KVCACHE_GIB  KV cache, GiB, both engines (vLLM: VLLM_CPU_KVCACHE_SPACE; default: 6)
 #   VLLM_BIND    the explicit binding compared with vLLM's default (default: 0-1, all of a 2-core box)
 #   SKIP_STARTUP=1  skip the start-up measurements
+#   SKIP_VLLM_DEFAULT=1  run vLLM with VLLM_BIND only (its default binding is the slow one here)
 #   VLLM_CPU_VENV   where the vLLM venv lives (default: ~/.cache/pagedserve/vllm-cpu-venv)
 #   RUN_ROOT     per-run JSONs and logs go to RUN_ROOT/<model>_<dtype> (default: /tmp/compare_vllm_cpu)
 #   RESULTS_DIR  where the summary JSON / PNG go (default: benchmarks/results)
@@ -44,6 +45,7 @@ KVCACHE_GIB=${KVCACHE_GIB:-6}
 VLLM_BIND=${VLLM_BIND:-0-1}
 W3_CACHE_OFF=${W3_CACHE_OFF:-1}
 SKIP_STARTUP=${SKIP_STARTUP:-0}
+SKIP_VLLM_DEFAULT=${SKIP_VLLM_DEFAULT:-0}
 VLLM_CPU_VENV=${VLLM_CPU_VENV:-$HOME/.cache/pagedserve/vllm-cpu-venv}
 TCMALLOC_DIR=${TCMALLOC_DIR:-$HOME/.cache/pagedserve/tcmalloc}
 RUN_ROOT=${RUN_ROOT:-/tmp/compare_vllm_cpu}
@@ -151,6 +153,7 @@ find_preloads
 echo "vLLM: $("$VPY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null) in $VLLM_CPU_VENV"
 echo "LD_PRELOAD for vLLM: $VLLM_PRELOAD"
 BINDINGS=(default "$VLLM_BIND")
+[ "$SKIP_VLLM_DEFAULT" = 1 ] && BINDINGS=("$VLLM_BIND")
 
 for MODEL in $MODELS; do
   RUN_DIR=$RUN_ROOT/${MODEL}_${DTYPE}

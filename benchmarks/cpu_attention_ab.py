@@ -1,0 +1,127 @@
+"""A/B of the native CPU paged-attention kernel: this checkout's source against another git revision's.
+
+Not part of CI. Builds both versions with the engine's flags, then alternates them (A, B, A, B, ...)
+on batches shaped like the workloads' attention calls, checks that both give the same output, and
+prints median milliseconds and B/A speed ratios (> 1: this checkout is faster):
+
+    python benchmarks/cpu_attention_ab.py --base fb048ad          # against session 3's kernel
+    python benchmarks/cpu_attention_ab.py --base HEAD~1 --cases W1-decode,prompt-512
+
+Cases (small model: 8 heads, 4 kv heads, head size 64, block size 16, float32):
+  W1-decode     256 decodes, contexts 128-256, blocks in allocation order (memory-bound)
+  W2-decode     200 decodes, contexts 300-1100, blocks shuffled (memory-bound)
+  W3-decode     128 decodes over one shared 1056-token context (compute-bound, L3-resident)
+  W3-suffix     64 prompt chunks of 32 tokens after 1024 cached tokens (prefix-cache hits)
+  prompt-512    4 fresh 512-token prompts
+  prompt-1056   one fresh 1056-token prompt
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from pagedserve.model.attention import cpu_kernels  # noqa: E402
+
+CSRC = "pagedserve/model/attention/csrc"
+H, KVH, D, BS = 8, 4, 64, 16
+ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+
+
+def build(src_dir: Path, out: Path):
+    subprocess.run(["g++", *cpu_kernels._FLAGS, str(src_dir / "paged_attention_cpu.cpp"), "-o", str(out)],
+                   check=True, capture_output=True, text=True)
+    fn = ctypes.CDLL(str(out)).paged_attention_f32
+    fn.restype, fn.argtypes = None, ARGS
+    return fn
+
+
+def checkout_kernel(rev: str, dest: Path) -> Path:
+    """The kernel sources of git revision `rev` (the .cpp and any headers beside it) under dest."""
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{CSRC}"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{CSRC}/{name}"], check=True,
+                              capture_output=True).stdout
+        (dest / name).write_bytes(blob)
+    return dest
+
+
+def make_case(n_seqs: int, lo: int, hi: int, *, qn: int = 1, shuffle: bool = False, shared: bool = False):
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(lo, hi + 1, n_seqs)
+    n_blocks = [(int(c) + BS - 1) // BS for c in ctx]
+    total = max(n_blocks) if shared else sum(n_blocks)
+    ids = rng.permutation(total) if shuffle else np.arange(total)
+    bt = torch.zeros(n_seqs, max(n_blocks), dtype=torch.int64)
+    k = 0
+    for b, nb in enumerate(n_blocks):
+        bt[b, :nb] = torch.arange(nb) if shared else torch.from_numpy(ids[k:k + nb])
+        k += 0 if shared else nb
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(total, BS, KVH, D, generator=g), torch.randn(total, BS, KVH, D, generator=g)
+    q = torch.randn(n_seqs * qn, H, D, generator=g)
+    starts = torch.arange(n_seqs + 1, dtype=torch.int64) * qn
+    return q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int64), starts
+
+
+CASES = {
+    "W1-decode": dict(n_seqs=256, lo=128, hi=256),
+    "W2-decode": dict(n_seqs=200, lo=300, hi=1100, shuffle=True),
+    "W3-decode": dict(n_seqs=128, lo=1056, hi=1056, shared=True),
+    "W3-suffix": dict(n_seqs=64, lo=1056, hi=1056, qn=32, shared=True),
+    "prompt-512": dict(n_seqs=4, lo=512, hi=512, qn=512),
+    "prompt-1056": dict(n_seqs=1, lo=1056, hi=1056, qn=1056),
+}
+
+
+def call(fn, case, threads: int):
+    q, kc, vc, bt, lens, starts = case
+    out = torch.empty_like(q)
+    t = time.perf_counter()
+    fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), bt.data_ptr(), lens.data_ptr(), starts.data_ptr(), out.data_ptr(),
+       lens.shape[0], H, KVH, D, BS, bt.shape[1], D ** -0.5, threads)
+    return time.perf_counter() - t, out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", default="HEAD", help="git revision to compare this checkout's kernel against")
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    p.add_argument("--repeats", type=int, default=9, help="alternated calls per version and case")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "base").mkdir()
+        base = build(checkout_kernel(args.base, tmp / "base"), tmp / "base.so")
+        this = build(ROOT / CSRC, tmp / "this.so")
+        print(f"paged attention, {args.threads} threads: {args.base} (A) vs this checkout (B); medians of {args.repeats}")
+        for name in args.cases.split(","):
+            case = make_case(**CASES[name])
+            times = {"A": [], "B": []}
+            for r in range(args.repeats):
+                ta, oa = call(base, case, args.threads)
+                tb, ob = call(this, case, args.threads)
+                times["A"].append(ta)
+                times["B"].append(tb)
+                if r == 0 and not torch.allclose(oa, ob, atol=1e-4, rtol=1e-4):
+                    print(f"{name}: outputs differ (max {(oa - ob).abs().max():.2e})", file=sys.stderr)
+                    return 1
+            a, b = statistics.median(times["A"]), statistics.median(times["B"])
+            print(f"  {name:12s} A {a * 1e3:8.2f} ms   B {b * 1e3:8.2f} ms   B/A speed {a / b:5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
