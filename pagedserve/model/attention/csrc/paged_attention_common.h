@@ -104,6 +104,29 @@ inline __m256 transpose_sum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// One online-softmax step over a row's scores sr[0, width), width a multiple of 8, keys the row
+// cannot see holding -inf: updates the running max m and normaliser l, turns the scores into
+// probabilities in place (exactly 0 for the -inf ones: exp8 flushes them to ~1e-38, the compare
+// zeroes them) and returns the factor that rescales what was summed before.
+inline float softmax_step(float* sr, int64_t width, float& m, float& l) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  __m256 mx = ninf;
+  for (int64_t c0 = 0; c0 < width; c0 += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + c0));
+  const float mnew = std::max(m, hmax8(mx));
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - mnew);
+  const __m256 vm = _mm256_set1_ps(mnew);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < width; c0 += 8) {
+    const __m256 sv = _mm256_loadu_ps(sr + c0);
+    const __m256 pv = _mm256_and_ps(exp8(_mm256_sub_ps(sv, vm)), _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(sr + c0, pv);
+    sum = _mm256_add_ps(sum, pv);
+  }
+  l = l * alpha + hsum8(sum);
+  m = mnew;
+  return alpha;
+}
+
 // Requests one K/V block's lines for the item's kv heads [e0, e1) (element offsets within a token
 // row) into L2, spread over `calls` calls of step(): each issues the next slice of lines.
 template <typename T>

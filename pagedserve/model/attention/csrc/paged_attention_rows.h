@@ -152,27 +152,8 @@ void item_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64
       }
     }
     // 2. online softmax: new running max, rescale factor for what was summed so far, probabilities
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t n = n_of[r];
-      if (n <= 0) continue;
-      float* sr = sp + r * BS8;
-      __m256 mx = _mm256_set1_ps(kNegInf);
-      for (int64_t c0 = 0; c0 < n; c0 += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + c0));
-      Row& row = rows[r];
-      const float m = std::max(row.m, hmax8(mx));
-      alpha[r] = row.m == kNegInf ? 0.f : std::exp(row.m - m);
-      const __m256 vm = _mm256_set1_ps(m);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t c0 = 0; c0 < n; c0 += 8) {
-        const __m256 sv = _mm256_loadu_ps(sr + c0);
-        // masked lanes hold -inf: exp8 flushes them to ~1e-38, the compare makes them exactly 0
-        const __m256 pv = _mm256_and_ps(exp8(_mm256_sub_ps(sv, vm)), _mm256_cmp_ps(sv, _mm256_set1_ps(kNegInf), _CMP_NEQ_OQ));
-        _mm256_storeu_ps(sr + c0, pv);
-        sum = _mm256_add_ps(sum, pv);
-      }
-      row.l = row.l * alpha[r] + hsum8(sum);
-      row.m = m;
-    }
+    for (int64_t r = 0; r < R; ++r)
+      if (n_of[r] > 0) alpha[r] = softmax_step(sp + r * BS8, (n_of[r] + 7) / 8 * 8, rows[r].m, rows[r].l);
     // 3. acc = alpha * acc + P·V
     for (int64_t r = 0; r < R; ++r)
       if (pf.step(), n_of[r] > 0)

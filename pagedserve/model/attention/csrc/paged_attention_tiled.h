@@ -213,25 +213,11 @@ void kv_head_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, i
         continue;
       }
       const __m256 vn = _mm256_set1_ps(static_cast<float>(n));
-      __m256 mx = ninf;
       for (int64_t c0 = 0; c0 < W; c0 += 8) {
         const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(c0))), vn, _CMP_LT_OQ);
-        const __m256 sv = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + c0), valid);
-        _mm256_storeu_ps(sr + c0, sv);
-        mx = _mm256_max_ps(mx, sv);
+        _mm256_storeu_ps(sr + c0, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + c0), valid));
       }
-      const float mnew = std::max(m[r], hmax8(mx));
-      alpha[r] = m[r] == kNegInf ? 0.f : std::exp(m[r] - mnew);
-      const __m256 vm = _mm256_set1_ps(mnew);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t c0 = 0; c0 < W; c0 += 8) {
-        const __m256 sv = _mm256_loadu_ps(sr + c0);
-        const __m256 pv = _mm256_and_ps(exp8(_mm256_sub_ps(sv, vm)), _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ));
-        _mm256_storeu_ps(sr + c0, pv);
-        sum = _mm256_add_ps(sum, pv);
-      }
-      l[r] = l[r] * alpha[r] + hsum8(sum);
-      m[r] = mnew;
+      alpha[r] = softmax_step(sr, W, m[r], l[r]);
     }
     pf.step();
     for (int64_t c0 = 0; c0 < D / 8; c0 += 2) {
