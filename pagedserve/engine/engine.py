@@ -56,8 +56,8 @@ class LLMEngine:
         if self.device.type == "cpu" and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
             from pagedserve.model.cpu_linear import pack_linears
 
-            n = pack_linears(loaded.model, batch_hint=min(config.max_num_seqs, 256))
-            log.info("prepacked %d linear layers for oneDNN", n)
+            n, path = pack_linears(loaded.model, batch_hint=min(config.max_num_seqs, 256))
+            log.info("prepacked %d linear layers for %s", n, path)
         if config.served_model_name is None:
             config.served_model_name = config.model
         num_blocks = self._num_kv_blocks(loaded.model)

@@ -1,14 +1,17 @@
-"""Linear layers with weights prepacked for oneDNN, for float32 on the CPU.
+"""Linear layers with their weights prepacked at load time, for float32 on the CPU.
 
-torch's default `linear` on the CPU re-lays the weight out for the GEMM kernel on every call; a
-weight reordered once at load time into oneDNN's blocked format skips that and measured ~1.4x
-faster on the decode shapes (2 cores, AVX2: 110-128 vs 80 GFLOP/s at 256 rows). The ops are
-torch's own (the ones torch.compile's freezing pass emits); where they are missing or refuse a
-dtype/CPU the layer simply stays a plain nn.Linear.
+torch's default `linear` on the CPU re-lays the weight out for the GEMM kernel on every call. Two
+prepacked paths replace it, the first that works on this machine:
+  1. our own AVX2 GEMM (model/cpu_gemm.py), 1.1-1.3× oneDNN's rate on the decoder's shapes;
+  2. oneDNN with the weight reordered once into its blocked format (torch's own ops, the ones
+     torch.compile's freezing pass emits), ~1.4× torch's plain `linear` on the decode shapes.
+Where both are missing or refuse a dtype/CPU the layer simply stays a plain nn.Linear.
+PAGEDSERVE_CPU_GEMM=onednn skips the first.
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -27,7 +30,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def _pack(linear: nn.Linear, batch_hint: int) -> PackedLinear | None:
+def _pack_onednn(linear: nn.Linear, batch_hint: int) -> PackedLinear | None:
     try:
         w = linear.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
@@ -41,17 +44,29 @@ def _pack(linear: nn.Linear, batch_hint: int) -> PackedLinear | None:
         return None
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> int:
-    """Swap every nn.Linear of a float32 CPU model for a prepacked one; returns how many were swapped."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
+def _packer(batch_hint: int):
+    """(name, function nn.Linear → packed module or None) of the best path on this machine."""
+    from pagedserve.model import cpu_gemm
+
+    if os.environ.get("PAGEDSERVE_CPU_GEMM", "native") != "onednn" and cpu_gemm.usable():
+        return "native GEMM", cpu_gemm.NativeLinear
+    if torch.backends.mkldnn.is_available():
+        return "oneDNN", lambda layer: _pack_onednn(layer, batch_hint)
+    return None, None
+
+
+def pack_linears(model: nn.Module, batch_hint: int) -> tuple[int, str | None]:
+    """Swap every nn.Linear of a float32 CPU model for a prepacked one; returns (how many, which path)."""
+    name, pack = _packer(batch_hint)
+    if pack is None:
+        return 0, None
     swapped = 0
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+        for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                packed = _pack(child, batch_hint)
+                packed = pack(child)
                 if packed is None:
-                    return swapped
-                setattr(parent, name, packed)
+                    return swapped, name
+                setattr(parent, child_name, packed)
                 swapped += 1
-    return swapped
+    return swapped, name
