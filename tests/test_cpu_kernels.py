@@ -65,6 +65,48 @@ def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, bs, h
             assert torch.allclose(got[row:row + 1].float(), want, atol=tol), (b, i)
 
 
+# (heads, kv_heads): G = 2; no grouping (G = 1); G = 8, where a decode alone fills a tile
+@pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_kernel_decodes_sharing_prefix_blocks(heads, kv_heads, dtype, tol):
+    """Decodes whose block tables start with the same blocks (prefix-cache hits) read those blocks
+    together; each must still get exactly its own attention."""
+    if cpu_kernels.load() is None:
+        pytest.skip(f"native CPU kernel unavailable here: {cpu_kernels.failure_reason()}")
+    g = torch.Generator().manual_seed(2)
+    bs, d, n_blocks = 16, 64, 200
+    kc = torch.randn(n_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(n_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    fresh = iter(perm[30:])
+    tables, lens = [], []
+
+    def on_prefix(prefix, n):  # a sequence of n tokens whose table starts with `prefix`
+        own = -(-n // bs)
+        tables.append(prefix[:own] + [next(fresh) for _ in range(own - len(prefix))])
+        lens.append(n)
+
+    # 20 sequences on a 10-block prefix (more than one work item's worth), lengths ending on a
+    # block boundary, one token past it, and further on
+    for i in range(20):
+        on_prefix(perm[:10], [160, 161, 176, 300, 250, 175][i % 6])
+    # 6 on a 6-block prefix, one of them only 70 tokens long: the group shares its 4 full blocks
+    for n in (70, 200, 200, 130, 150, 97):
+        on_prefix(perm[10:16], n)
+    # 3 on a 5-block prefix (too few to group), and 2 alone
+    for n in (120, 90, 150):
+        on_prefix(perm[16:21], n)
+    for n in (64, 33):
+        on_prefix([], n)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    got = cpu_kernels.paged_decode_attention(q, kc, vc, bt, torch.tensor(lens), d ** -0.5)
+    want = _reference(q, kc, vc, bt, torch.tensor(lens), d ** -0.5)
+    for b in range(len(lens)):
+        assert torch.allclose(got[b].float(), want[b], atol=tol), b
+
+
 def test_engine_greedy_same_with_and_without_native_kernel(llama_dir, monkeypatch):
     prompts = random_prompts(6, 300, [5, 40, 130], seed=4)
     reqs = [{"prompt_token_ids": p} for p in prompts]

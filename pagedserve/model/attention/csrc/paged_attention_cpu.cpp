@@ -25,6 +25,49 @@ namespace {
 constexpr int64_t kQueryChunk = 32;
 // prompt chunks with at least this many query rows per kv head take the tiled path
 constexpr int64_t kTiledMinRows = 8;
+// Shared-prefix decode: at least this many decodes starting with at least this many common full
+// blocks read those blocks together, up to kShareChunk sequences per work item.
+constexpr int64_t kShareMinSeqs = 4;
+constexpr int64_t kShareMinBlocks = 4;
+constexpr int64_t kShareChunk = 16;
+static_assert(kShareChunk <= kQueryChunk, "a shared-prefix item's rows must fit an item's work buffer");
+
+struct SharedPrefix {
+  std::vector<int64_t> members;  // sequences (decodes) that start with the same blocks
+  int64_t blocks;                // how many full blocks they share
+};
+
+// Decodes grouped by their first block (prefix caching hands equal prefixes the same physical
+// blocks), each group cut to the blocks all its members share and fully see.
+std::vector<SharedPrefix> find_shared_prefixes(const int64_t* bt, const int64_t* seq_lens, const int64_t* q_starts,
+                                               int64_t B, int64_t BS, int64_t MAXB) {
+  std::vector<std::pair<int64_t, int64_t>> by_first;  // (first block, sequence)
+  for (int64_t b = 0; b < B; ++b)
+    if (q_starts[b + 1] - q_starts[b] == 1 && seq_lens[b] >= kShareMinBlocks * BS) by_first.push_back({bt[b * MAXB], b});
+  std::sort(by_first.begin(), by_first.end());
+  std::vector<SharedPrefix> groups;
+  for (size_t i = 0; i < by_first.size();) {
+    size_t j = i;
+    while (j < by_first.size() && by_first[j].first == by_first[i].first) ++j;
+    if (static_cast<int64_t>(j - i) >= kShareMinSeqs) {
+      SharedPrefix g{{}, MAXB};
+      for (size_t k = i; k < j; ++k) {
+        const int64_t b = by_first[k].second;
+        g.members.push_back(b);
+        g.blocks = std::min(g.blocks, seq_lens[b] / BS);  // a decode sees all of its full blocks
+      }
+      const int64_t* t0 = bt + g.members[0] * MAXB;
+      for (int64_t b : g.members) {
+        int64_t n = 0;
+        while (n < g.blocks && bt[b * MAXB + n] == t0[n]) ++n;
+        g.blocks = n;
+      }
+      if (g.blocks >= kShareMinBlocks) groups.push_back(std::move(g));
+    }
+    i = j;
+  }
+  return groups;
+}
 
 template <typename T>
 void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* seq_lens,
@@ -53,11 +96,38 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
       static_cast<size_t>(kQueryChunk * kv_per_item * G * (2 * s.D + W + 8) + s.D * W + W + 16);
 #ifdef PS_HAVE_AVX2
   const bool vec = s.D % 8 == 0;
+  // shared-prefix pass: (group, kv head, up to kShareChunk members) items, their rows' states
+  // saved for the per-sequence items to continue from
+  struct ShareItem {
+    const SharedPrefix* group;
+    int64_t j0, j1, kh;
+  };
+  std::vector<SharedPrefix> groups;
+  if (vec) groups = find_shared_prefixes(bt, seq_lens, q_starts, B, s.BS, s.MAXB);
+  std::vector<ShareItem> share_items;
+  std::vector<int64_t> shared_blocks(groups.empty() ? 0 : B, 0);
+  for (const SharedPrefix& g : groups) {
+    const int64_t n = static_cast<int64_t>(g.members.size());
+    for (int64_t j0 = 0; j0 < n; j0 += kShareChunk)
+      for (int64_t kh = 0; kh < s.KVH; ++kh) share_items.push_back({&g, j0, std::min(n, j0 + kShareChunk), kh});
+    for (int64_t b : g.members) shared_blocks[b] = g.blocks;
+  }
+  std::vector<float> state(groups.empty() ? 0 : static_cast<size_t>(B * s.H * (s.D + 2)));
+  const int64_t n_share = static_cast<int64_t>(share_items.size());
 #endif
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> work(work_floats);
+#ifdef PS_HAVE_AVX2
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < n_share; ++k) {  // (the implicit barrier: every state is written before use)
+      const ShareItem& it = share_items[k];
+      const SharedPrefix& g = *it.group;
+      shared_prefix_tiled(q, kc, vc, bt + g.members[0] * s.MAXB, q_starts, g.members.data() + it.j0, it.j1 - it.j0,
+                          g.blocks, it.kh, s, state.data(), work.data());
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < n_items; ++k) {
       const Item& it = items[k];
@@ -68,12 +138,15 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
       const int64_t first_pos = seq_lens[it.b] - qn + it.i0;
       const Rows rs{it.i1 - it.i0, it.kh0 * G, (it.kh1 - it.kh0) * G, G};
 #ifdef PS_HAVE_AVX2
-      if (vec && rs.qn * G >= kTiledMinRows) {
+      // a decode of a shared-prefix group continues from the state of its rows (row path only)
+      const int64_t blk0 = shared_blocks.empty() ? 0 : shared_blocks[it.b];
+      if (vec && rs.qn * G >= kTiledMinRows && blk0 == 0) {
         item_tiled(qp, kc, vc, bt + it.b * s.MAXB, first_pos, rs, s, op, work.data());
         continue;
       }
       if (vec) {
-        item_avx2(qp, kc, vc, bt + it.b * s.MAXB, first_pos, rs, s, op, work.data());
+        item_avx2(qp, kc, vc, bt + it.b * s.MAXB, first_pos, rs, s, op, work.data(), blk0,
+                  blk0 > 0 ? state.data() + it.b * s.H * (s.D + 2) : nullptr);
         continue;
       }
 #endif

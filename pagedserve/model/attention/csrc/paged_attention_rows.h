@@ -94,9 +94,12 @@ inline void accumulate_pv_any(float* acc, float alpha, const float* p, const T* 
 // all P·V sums. Rows are independent, so each pass is a set of independent dependency chains the
 // CPU overlaps; doing one row end to end instead serialises dot -> max -> exp -> FMA chains and
 // ran at an eighth of the FMA rate.
+// With `state` (a decode whose first blk0 blocks the shared-prefix pass already summed), each row
+// starts from that pass's max, normaliser and sums, at state[head * (D + 2)], and reads only the
+// blocks from blk0 on.
 template <typename T>
 void item_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t q_first_pos, const Rows& rs,
-               const Shape& s, T* out, float* work) {
+               const Shape& s, T* out, float* work, int64_t blk0 = 0, const float* state = nullptr) {
   const int64_t D = s.D, DV = D / 8, R = rs.count(), row_stride = s.KVH * D;
   const int64_t BS8 = (s.BS + 7) / 8 * 8;
   float* qf = work;                // [R, D] scaled queries
@@ -109,12 +112,18 @@ void item_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64
   for (int64_t r = 0; r < R; ++r) {
     const T* qr = q + (rs.query(r) * s.H + rs.head(r)) * D;
     for (int64_t c = 0; c < DV; ++c) _mm256_storeu_ps(qf + r * D + 8 * c, _mm256_mul_ps(load8(qr + 8 * c), vscale));
-    std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
-    rows[r] = Row{kNegInf, 0.f, acc + r * D};
+    if (state != nullptr) {
+      const float* st = state + rs.head(r) * (D + 2);
+      std::copy(st + 2, st + 2 + D, acc + r * D);
+      rows[r] = Row{st[0], st[1], acc + r * D};
+    } else {
+      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+      rows[r] = Row{kNegInf, 0.f, acc + r * D};
+    }
   }
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t last = q_first_pos + rs.qn - 1;
-  for (int64_t t0 = 0; t0 <= last; t0 += s.BS) {
+  for (int64_t t0 = blk0 * s.BS; t0 <= last; t0 += s.BS) {
     const T* block_k = kc + table[t0 / s.BS] * s.BS * row_stride;  // token t, kv head kh at + t*row_stride + kh*D
     const T* block_v = vc + table[t0 / s.BS] * s.BS * row_stride;
     // The next block is somewhere else in the pool. Its lines are requested a few at a time

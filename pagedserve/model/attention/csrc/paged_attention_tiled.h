@@ -157,59 +157,67 @@ inline void pv_rows(float* acc, int64_t rows, int64_t D, const float* alpha, con
   }
 }
 
-// One kv head of an item at a time, all of the context, so its working set (queries, sums,
-// transposed keys, scores: ~13 KB for 16 rows of 64) stays in L1 next to the streaming block;
-// all kv heads at once had 32 KB of queries and sums alone and ran from L2.
-template <typename T>
-void kv_head_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t q_first_pos, int64_t qn,
-                   int64_t h_first, int64_t G, const Shape& s, T* out, float* work) {
-  const int64_t D = s.D, RK = qn * G, row_stride = s.KVH * D, W = (s.BS + 7) / 8 * 8;
-  const int64_t hoff = h_first / G * D;  // this kv head's offset within a token row
-  float* qf = work;            // [RK, D] scaled queries, rows (query, head in group)
-  float* acc = qf + RK * D;    // [RK, D]
-  float* sp = acc + RK * D;    // [RK, W] scores, then probabilities
-  float* KT = sp + RK * W;     // [D, W]
-  float* m = KT + D * W;       // [RK] running max
-  float* l = m + RK;           // [RK] running normaliser
-  float* alpha = l + RK;       // [RK]
-  int64_t* n_of = reinterpret_cast<int64_t*>(alpha + RK + (RK & 1));  // [RK] keys of the block each row sees
-  const __m256 vscale = _mm256_set1_ps(s.scale);
-  for (int64_t i = 0; i < qn; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const T* qr = q + (i * s.H + h_first + g) * D;
-      for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(qf + r * D + c, _mm256_mul_ps(load8(qr + c), vscale));
-      std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
-      m[r] = kNegInf;
-      l[r] = 0.f;
-    }
+// The running state of a set of rows of one kv head, carved out of an item's work buffer:
+// scaled queries, weighted sums, scores, transposed keys, max, normaliser, rescale factors and
+// the keys of the current block each row sees.
+struct TileState {
+  int64_t RK;
+  float *qf, *acc, *sp, *KT, *m, *l, *alpha;
+  int64_t* n_of;
+  TileState(float* work, int64_t rk, int64_t D, int64_t W) : RK(rk) {
+    qf = work;          // [RK, D]
+    acc = qf + RK * D;  // [RK, D]
+    sp = acc + RK * D;  // [RK, W] scores, then probabilities
+    KT = sp + RK * W;   // [D, W]
+    m = KT + D * W;     // [RK]
+    l = m + RK;         // [RK]
+    alpha = l + RK;     // [RK]
+    n_of = reinterpret_cast<int64_t*>(alpha + RK + (RK & 1));  // [RK]
+  }
+  // row r starts empty with the query at qr, scaled
+  template <typename T>
+  void start_row(int64_t r, const T* qr, int64_t D, float scale) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(qf + r * D + c, _mm256_mul_ps(load8(qr + c), vscale));
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
+    m[r] = kNegInf;
+    l[r] = 0.f;
+  }
+};
+
+// Adds blocks [blk0, blk1) of `table` (tokens [blk0*BS, end) of the context, for the kv head at
+// element offset hoff of a token row) to the rows' state. fill_n(t0) sets n_of[r], the keys of
+// the block at token t0 that row r sees (≤ 0: none).
+template <typename T, typename FillN>
+void tiled_blocks(TileState& st, const T* kc, const T* vc, const int64_t* table, int64_t blk0, int64_t blk1,
+                  int64_t end, int64_t hoff, const Shape& s, FillN fill_n) {
+  const int64_t D = s.D, RK = st.RK, row_stride = s.KVH * D, W = (s.BS + 7) / 8 * 8;
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), ninf = _mm256_set1_ps(kNegInf);
-  const int64_t last = q_first_pos + qn - 1;
-  for (int64_t t0 = 0; t0 <= last; t0 += s.BS) {
-    const T* block_k = kc + table[t0 / s.BS] * s.BS * row_stride + hoff;
-    const T* block_v = vc + table[t0 / s.BS] * s.BS * row_stride + hoff;
-    const int64_t nv = std::min(s.BS, last + 1 - t0);  // tokens of this block some row can see
+  for (int64_t blk = blk0; blk < blk1; ++blk) {
+    const int64_t t0 = blk * s.BS;
+    const T* block_k = kc + table[blk] * s.BS * row_stride + hoff;
+    const T* block_v = vc + table[blk] * s.BS * row_stride + hoff;
+    const int64_t nv = std::min(s.BS, end - t0);  // tokens of this block some row can see
     BlockPrefetch<T> pf;
-    if (t0 + s.BS <= last) {
-      const int64_t nb = table[t0 / s.BS + 1] * s.BS * row_stride;
+    if (blk + 1 < blk1) {
+      const int64_t nb = table[blk + 1] * s.BS * row_stride;
       pf = BlockPrefetch<T>(kc + nb, vc + nb, s.BS, row_stride, hoff, hoff + D, 2);
     }
-    for (int64_t i = 0; i < qn; ++i)
-      for (int64_t g = 0; g < G; ++g) n_of[i * G + g] = std::min(s.BS, q_first_pos + i + 1 - t0);
+    fill_n(t0);
     pf.step();
-    transpose_keys(block_k, row_stride, nv, D, W, KT);
+    transpose_keys(block_k, row_stride, nv, D, W, st.KT);
     for (int64_t k0 = 0; k0 < W / 8; k0 += 2) {
-      if (k0 + 2 <= W / 8) scores_rows<2>(qf, RK, D, KT, W, k0, sp, W);
-      else scores_rows<1>(qf, RK, D, KT, W, k0, sp, W);
+      if (k0 + 2 <= W / 8) scores_rows<2>(st.qf, RK, D, st.KT, W, k0, st.sp, W);
+      else scores_rows<1>(st.qf, RK, D, st.KT, W, k0, st.sp, W);
     }
     // online softmax per row; probabilities of keys a row cannot see (and of rows that see none)
     // are exactly 0, so the P·V tiles can run every row of a tile to the tile's longest n
     for (int64_t r = 0; r < RK; ++r) {
-      float* sr = sp + r * W;
-      const int64_t n = n_of[r];
+      float* sr = st.sp + r * W;
+      const int64_t n = st.n_of[r];
       if (n <= 0) {
         std::fill(sr, sr + W, 0.f);
-        alpha[r] = 1.f;
+        st.alpha[r] = 1.f;
         continue;
       }
       const __m256 vn = _mm256_set1_ps(static_cast<float>(n));
@@ -217,20 +225,62 @@ void kv_head_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, i
         const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(c0))), vn, _CMP_LT_OQ);
         _mm256_storeu_ps(sr + c0, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + c0), valid));
       }
-      alpha[r] = softmax_step(sr, W, m[r], l[r]);
+      st.alpha[r] = softmax_step(sr, W, st.m[r], st.l[r]);
     }
     pf.step();
     for (int64_t c0 = 0; c0 < D / 8; c0 += 2) {
-      if (c0 + 2 <= D / 8) pv_rows<2>(acc, RK, D, alpha, sp, W, block_v, row_stride, n_of, c0);
-      else pv_rows<1>(acc, RK, D, alpha, sp, W, block_v, row_stride, n_of, c0);
+      if (c0 + 2 <= D / 8) pv_rows<2>(st.acc, RK, D, st.alpha, st.sp, W, block_v, row_stride, st.n_of, c0);
+      else pv_rows<1>(st.acc, RK, D, st.alpha, st.sp, W, block_v, row_stride, st.n_of, c0);
     }
   }
+}
+
+// One kv head of an item at a time, all of the context, so its working set (queries, sums,
+// transposed keys, scores: ~13 KB for 16 rows of 64) stays in L1 next to the streaming block;
+// all kv heads at once had 32 KB of queries and sums alone and ran from L2.
+template <typename T>
+void kv_head_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t q_first_pos, int64_t qn,
+                   int64_t h_first, int64_t G, const Shape& s, T* out, float* work) {
+  const int64_t D = s.D, W = (s.BS + 7) / 8 * 8;
+  TileState st(work, qn * G, D, W);
+  for (int64_t i = 0; i < qn; ++i)
+    for (int64_t g = 0; g < G; ++g) st.start_row(i * G + g, q + (i * s.H + h_first + g) * D, D, s.scale);
+  const int64_t last = q_first_pos + qn - 1;
+  tiled_blocks(st, kc, vc, table, 0, last / s.BS + 1, last + 1, h_first / G * D, s, [&](int64_t t0) {
+    for (int64_t i = 0; i < qn; ++i)
+      for (int64_t g = 0; g < G; ++g) st.n_of[i * G + g] = std::min(s.BS, q_first_pos + i + 1 - t0);
+  });
   for (int64_t i = 0; i < qn; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
       T* o = out + (i * s.H + h_first + g) * D;
-      const float inv = 1.f / l[r];
-      for (int64_t d = 0; d < D; ++d) store1(o + d, acc[r * D + d] * inv);
+      const float inv = 1.f / st.l[r];
+      for (int64_t d = 0; d < D; ++d) store1(o + d, st.acc[r * D + d] * inv);
+    }
+}
+
+// Shared-prefix (cascade) decode: the decodes of `members` all start with the same `blocks` full
+// blocks of the table (a prefix-cache hit shares them), so their queries, G per kv head and
+// sequence, are stacked into one set of rows that reads each shared block once, as tiles. Each
+// row's state (max, normaliser, sums) goes to state[(b * H + head) * (D + 2)] for the row path
+// to continue from over the sequence's own blocks.
+template <typename T>
+void shared_prefix_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, const int64_t* q_starts,
+                         const int64_t* members, int64_t n_members, int64_t blocks, int64_t kh, const Shape& s,
+                         float* state, float* work) {
+  const int64_t D = s.D, G = s.H / s.KVH, W = (s.BS + 7) / 8 * 8;
+  TileState st(work, n_members * G, D, W);
+  for (int64_t j = 0; j < n_members; ++j)
+    for (int64_t g = 0; g < G; ++g) st.start_row(j * G + g, q + (q_starts[members[j]] * s.H + kh * G + g) * D, D, s.scale);
+  tiled_blocks(st, kc, vc, table, 0, blocks, blocks * s.BS, kh * D, s,
+               [&](int64_t) { std::fill(st.n_of, st.n_of + st.RK, s.BS); });
+  for (int64_t j = 0; j < n_members; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = j * G + g;
+      float* o = state + (members[j] * s.H + kh * G + g) * (D + 2);
+      o[0] = st.m[r];
+      o[1] = st.l[r];
+      std::copy(st.acc + r * D, st.acc + (r + 1) * D, o + 2);
     }
 }
 
