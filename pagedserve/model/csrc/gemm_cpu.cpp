@@ -12,8 +12,8 @@
 //   - The micro-kernel keeps a 6 × 16 tile of out in 12 ymm registers and adds, per k, the outer
 //     product of 6 broadcast x values and the two W vectors: 12 FMAs for 8 loads. It is written
 //     in inline assembly because GCC spills one of the 12 accumulators when it allocates them.
-//   - Threads split the panels of W (each thread streams only its own half of the weights) and
-//     share the packed x block.
+//   - Threads take the panels of W a few at a time (each panel is read by one thread) and share
+//     the packed x block.
 // Sums run over k in order within a kc block, then block by block: float32 throughout.
 // Plain C ABI, called through ctypes (see model/cpu_gemm.py).
 #include <immintrin.h>
@@ -202,20 +202,22 @@ void gemm_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_
       for (int64_t j = 0; j < n; ++j) out[r * ldo + j] = bias != nullptr ? bias[j] : 0.f;
     return;
   }
+  // panels are handed out a few at a time, not split in equal halves up front: on a shared
+  // machine one core is often slower, and a static split leaves the other waiting for it
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, panels / (8 * threads)));
 #pragma omp parallel num_threads(threads)
   {
     alignas(32) float tile[kMR * kNR];
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
     for (int64_t r0 = 0; r0 < m; r0 += row_block) {
       const int64_t rows = std::min(row_block, m - r0), row_panels = (rows + kMR - 1) / kMR;
       for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, k - k0);
-#pragma omp barrier  // every thread is done with the previous block of xp
+        // (the panel loop's implicit barrier: every thread is done with the previous block of xp)
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < row_panels; ++i)
           pack_x_panel(x + (r0 + i * kMR) * ldx + k0, ldx, std::min(kMR, rows - i * kMR), kc, xp + i * kMR * kc);
-        for (int64_t p = p0; p < p1; ++p) {
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t p = 0; p < panels; ++p) {
           const float* wp = w_packed + (p * k + k0) * kNR;
           const int64_t cols = std::min(kNR, n - p * kNR);
           for (int64_t i = 0; i < row_panels; ++i) {
