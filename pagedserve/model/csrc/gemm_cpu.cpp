@@ -73,8 +73,7 @@ void tile_product(const float* x, const float* w, int64_t kc, float* tile) {
       "vxorps %%ymm15, %%ymm15, %%ymm15\n\t"
       "test %[k4], %[k4]\n\t"
       "jz 2f\n\t"
-      "1:\n\t"
-      "prefetcht0 512(%[w])\n\t"
+      "1:\n\t"  // (no software prefetch: the panels stream in order and a prefetch costs a load slot, -3-7 %)
       PS_GEMM_STEP(0) PS_GEMM_STEP(1) PS_GEMM_STEP(2) PS_GEMM_STEP(3)
       "add $256, %[w]\n\t"
       "add $96, %[x]\n\t"
