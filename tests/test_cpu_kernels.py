@@ -21,15 +21,23 @@ def _reference(q, kc, vc, bt, lens, scale):
     return out
 
 
+def _kernel_or_skip():
+    if cpu_kernels.load() is None:
+        pytest.skip(f"native CPU kernel unavailable here: {cpu_kernels.failure_reason()}")
+
+
+def _random_kv(g, n_blocks, block_size, kv_heads, head_dim, dtype):
+    """Random key and value block pools [n_blocks, block_size, kv_heads, head_dim]."""
+    return tuple(torch.randn(n_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("heads, kv_heads, block_size", [(8, 8, 16), (8, 2, 32), (16, 2, 16)])
 def test_kernel_matches_reference(dtype, tol, heads, kv_heads, block_size):
-    if cpu_kernels.load() is None:
-        pytest.skip(f"native CPU kernel unavailable here: {cpu_kernels.failure_reason()}")
+    _kernel_or_skip()
     g = torch.Generator().manual_seed(0)
     n_blocks, d, b = 96, 64, 7
-    kc = torch.randn(n_blocks, block_size, kv_heads, d, generator=g).to(dtype)
-    vc = torch.randn(n_blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    kc, vc = _random_kv(g, n_blocks, block_size, kv_heads, d, dtype)
     lens = torch.tensor([1, 2, block_size, block_size + 1, 100, 257, 300])
     bt = torch.stack([torch.randperm(n_blocks, generator=g)[:-(-300 // block_size)] for _ in range(b)])
     q = torch.randn(b, heads, d, generator=g).to(dtype)
@@ -45,12 +53,10 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, block_size):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, bs, heads, kv_heads, dtype, tol):
     """Several query tokens per sequence (a prompt chunk after cached context), mixed with decodes."""
-    if cpu_kernels.load() is None:
-        pytest.skip(f"native CPU kernel unavailable here: {cpu_kernels.failure_reason()}")
+    _kernel_or_skip()
     g = torch.Generator().manual_seed(1)
     n_blocks = 64
-    kc = torch.randn(n_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
-    vc = torch.randn(n_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    kc, vc = _random_kv(g, n_blocks, bs, kv_heads, head_dim, dtype)
     # decodes, a chunk after 17 cached tokens, whole prompts (one over several query chunks), ...
     lens = [1, 40, 37, 200, 9, 75]
     q_lens = [1, 1, 20, 37, 9, 75]
@@ -71,12 +77,10 @@ def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, bs, h
 def test_kernel_decodes_sharing_prefix_blocks(heads, kv_heads, dtype, tol):
     """Decodes whose block tables start with the same blocks (prefix-cache hits) read those blocks
     together; each must still get exactly its own attention."""
-    if cpu_kernels.load() is None:
-        pytest.skip(f"native CPU kernel unavailable here: {cpu_kernels.failure_reason()}")
+    _kernel_or_skip()
     g = torch.Generator().manual_seed(2)
     bs, d, n_blocks = 16, 64, 200
-    kc = torch.randn(n_blocks, bs, kv_heads, d, generator=g).to(dtype)
-    vc = torch.randn(n_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    kc, vc = _random_kv(g, n_blocks, bs, kv_heads, d, dtype)
     perm = torch.randperm(n_blocks, generator=g).tolist()
     fresh = iter(perm[30:])
     tables, lens = [], []
