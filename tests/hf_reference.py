@@ -26,9 +26,9 @@ def hf_greedy(model_dir: str, prompt_ids: tuple, max_new_tokens: int, dtype: str
     return out[0, ids.shape[1]:].tolist()
 
 
-def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+def hf_logprobs(model_dir: str, token_ids: list[int], dtype: str = "float32") -> torch.Tensor:
     """log_softmax of the logits at every position of token_ids: [len, vocab]."""
-    m = hf_model(model_dir)
+    m = hf_model(model_dir, dtype)
     with torch.no_grad():
         logits = m(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)

@@ -1,5 +1,6 @@
-"""The native float32 CPU GEMM against torch's linear, on the shapes that exercise its edges, and
-the engine greedy-identical to transformers with it, with oneDNN and with plain torch linears."""
+"""The native CPU GEMM against torch's linear, on the shapes that exercise its edges (float32, and
+bfloat16 weights widened in the kernel), and the engine greedy-identical to transformers with it,
+with oneDNN and with plain torch linears; in bfloat16, close to transformers bfloat16."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +9,7 @@ from torch import nn
 from pagedserve import LLM, SamplingParams
 from pagedserve.model import cpu_gemm
 from pagedserve.model.cpu_linear import pack_linears
-from hf_reference import hf_greedy, random_prompts
+from hf_reference import hf_greedy, hf_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.usable(), reason="native GEMM needs a C++ compiler and an AVX2/FMA CPU")
 
@@ -37,6 +38,37 @@ def test_linear_matches_torch(threads, m, k, n):
     assert torch.allclose(cpu_gemm.linear(x, packed, n, b), F.linear(x, w, b), **tol)
 
 
+def _float32_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return out + b.double() if b is not None else out
+
+
+# bfloat16 weights: same edges. The kernel widens the weights exactly and sums in float32, then
+# rounds once to bfloat16: each output is within one bfloat16 rounding (2^-9 relative) of the
+# exact sum, plus float32 summation error. A wrongly interleaved column or lane is off by O(1).
+@pytest.mark.parametrize("m", [1, 7, 64, 1031])
+@pytest.mark.parametrize("k,n", [(1, 16), (3, 17), (37, 40), (800, 33), (1537, 48)])
+def test_bf16_linear_is_float32_sums_rounded_once(threads, m, k, n):
+    g = torch.Generator().manual_seed(m * 5 + k + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    packed = cpu_gemm.pack_weight(w)
+    assert packed.dtype == torch.bfloat16
+    for bias in (None, b.float()):
+        out = cpu_gemm.linear(x, packed, n, bias)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        exact = _float32_sums(x, w, bias)
+        err = (out.double() - exact).abs()
+        assert (err <= exact.abs() * 2 ** -8 + 1e-5 * k ** 0.5).all(), err.max()
+        # most outputs are the exact sum's own bfloat16 rounding
+        assert (out == exact.to(torch.bfloat16)).float().mean() > 0.97
+    # float32 activations against the same bfloat16 panels
+    x32 = torch.randn(m, k, generator=g)
+    err = (cpu_gemm.linear(x32, packed, n).double() - _float32_sums(x32, w)).abs()
+    assert (err <= _float32_sums(x32, w).abs() * 2 ** -8 + 1e-5 * k ** 0.5).all()
+
+
 def test_strided_and_batched_inputs(threads):
     g = torch.Generator().manual_seed(1)
     layer = nn.Linear(96, 50)
@@ -60,6 +92,20 @@ def test_pack_linears_swaps_every_float32_linear():
     assert torch.allclose(model(x), want, rtol=1e-4, atol=1e-5)
 
 
+def test_pack_linears_takes_bf16_linears_only_without_bf16_units(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 48), nn.SiLU(), nn.Linear(48, 16, bias=False)).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    want = model(x).float()
+    monkeypatch.setattr(cpu_gemm, "bf16_units", lambda: True)  # oneDNN's bf16 GEMM is the faster one there
+    assert pack_linears(model, batch_hint=8) == (0, "native GEMM")
+    monkeypatch.setattr(cpu_gemm, "bf16_units", lambda: False)
+    assert pack_linears(model, batch_hint=8) == (2, "native GEMM")
+    assert isinstance(model[0], cpu_gemm.NativeLinear) and model[0].packed.dtype == torch.bfloat16
+    got = model(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("gemm", ["native", "onednn", "torch"])
 def test_engine_greedy_matches_transformers_on_each_linear_path(llama_dir, monkeypatch, gemm):
     if gemm == "torch":
@@ -74,3 +120,22 @@ def test_engine_greedy_matches_transformers_on_each_linear_path(llama_dir, monke
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     for p, o in zip(prompts, out):
         assert o.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(p), 8)
+
+
+def test_engine_bf16_on_native_gemm_tracks_transformers_bf16(llama_dir, monkeypatch):
+    # bfloat16 rounds differently in every engine, so greedy paths of a random-weight model (flat
+    # logits, many near-ties) may part; what must hold is that every token we pick is one
+    # transformers bfloat16 also rates (near-)top, with about the logprob it gives it.
+    monkeypatch.setattr(cpu_gemm, "bf16_units", lambda: False)  # the path AVX2-only CPUs take
+    prompts = random_prompts(3, 300, [6, 45, 120], seed=5)
+    llm = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256)
+    natives = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, cpu_gemm.NativeLinear)]
+    assert natives and all(m.packed.dtype == torch.bfloat16 for m in natives)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp)):
+        ids = o.outputs[0].token_ids
+        ref = hf_logprobs(str(llama_dir), p + ids, dtype="bfloat16")[len(p) - 1:-1]
+        for step, tok in enumerate(ids):
+            ours = o.outputs[0].logprobs[step][tok].logprob
+            assert ref[step, tok] >= ref[step].max() - 0.15, (step, tok)
+            assert abs(ours - ref[step, tok].item()) < 0.15, (step, ours, ref[step, tok].item())

@@ -2,8 +2,9 @@
 
 Achieved FLOP/s only means something next to what the hardware reaches on the same matrices in
 the same sitting. For each linear of a decoder layer and the LM head this times torch's plain
-`linear` and, on the CPU, oneDNN with the weight prepacked and our native float32 GEMM (the path
-our CPU layers take where it builds), keeps the fastest per shape, and reports FLOPs / time over
+`linear` and, on the CPU, oneDNN with the weight prepacked and our native GEMM (float32, or
+bfloat16 weights widened in the kernel: the path our CPU layers take where it builds and is the
+faster), keeps the fastest per shape, and reports FLOPs / time over
 the whole set of shapes at a decode-sized and a prefill-sized batch. The best of those is the
 ceiling.
 """
@@ -44,10 +45,10 @@ def _linear_variants(w: torch.Tensor, rows: int):
             yield fn
         except (RuntimeError, AttributeError):
             pass
-    if w.device.type == "cpu" and w.dtype == torch.float32:
+    if w.device.type == "cpu":
         from pagedserve.model import cpu_gemm
 
-        if cpu_gemm.usable():
+        if w.dtype in cpu_gemm.DTYPES and cpu_gemm.usable():
             packed_native = cpu_gemm.pack_weight(w)
             yield lambda x: cpu_gemm.linear(x, packed_native, w.shape[0])
 

@@ -1,10 +1,13 @@
-"""Linear layers with their weights prepacked at load time, for float32 on the CPU.
+"""Linear layers with their weights prepacked at load time, for float32 and bfloat16 on the CPU.
 
 torch's default `linear` on the CPU re-lays the weight out for the GEMM kernel on every call. Two
 prepacked paths replace it, the first that works on this machine:
-  1. our own AVX2 GEMM (model/cpu_gemm.py), 1.1-1.3× oneDNN's rate on the decoder's shapes;
+  1. our own AVX2 GEMM (model/cpu_gemm.py), 1.1-1.3× oneDNN's rate on the decoder's float32
+     shapes; for bfloat16 weights ~9× torch's linear on CPUs without bfloat16 units;
   2. oneDNN with the weight reordered once into its blocked format (torch's own ops, the ones
      torch.compile's freezing pass emits), ~1.4× torch's plain `linear` on the decode shapes.
+     float32 only. On CPUs with bfloat16 units (AVX512-BF16, AMX) bfloat16 layers stay torch's
+     `linear`, whose oneDNN GEMM uses them.
 Where both are missing or refuse a dtype/CPU the layer simply stays a plain nn.Linear.
 PAGEDSERVE_CPU_GEMM=onednn skips the first.
 """
@@ -45,25 +48,26 @@ def _pack_onednn(linear: nn.Linear, batch_hint: int) -> PackedLinear | None:
 
 
 def _packer(batch_hint: int):
-    """(name, function nn.Linear → packed module or None) of the best path on this machine."""
+    """(name, function nn.Linear → packed module or None, weight dtypes it takes) of the best path here."""
     from pagedserve.model import cpu_gemm
 
     if os.environ.get("PAGEDSERVE_CPU_GEMM", "native") != "onednn" and cpu_gemm.usable():
-        return "native GEMM", cpu_gemm.NativeLinear
+        return "native GEMM", cpu_gemm.NativeLinear, cpu_gemm.fast_dtypes()
     if torch.backends.mkldnn.is_available():
-        return "oneDNN", lambda layer: _pack_onednn(layer, batch_hint)
-    return None, None
+        return "oneDNN", lambda layer: _pack_onednn(layer, batch_hint), (torch.float32,)
+    return None, None, ()
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> tuple[int, str | None]:
-    """Swap every nn.Linear of a float32 CPU model for a prepacked one; returns (how many, which path)."""
-    name, pack = _packer(batch_hint)
+    """Swap every nn.Linear of a CPU model for a prepacked one where the path takes its dtype;
+    returns (how many, which path)."""
+    name, pack, dtypes = _packer(batch_hint)
     if pack is None:
         return 0, None
     swapped = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if isinstance(child, nn.Linear) and child.weight.dtype in dtypes and child.weight.device.type == "cpu":
                 packed = pack(child)
                 if packed is None:
                     return swapped, name

@@ -108,6 +108,88 @@ void tile_product(const float* x, const float* w, int64_t kc, float* tile) {
 }
 #undef PS_GEMM_STEP
 
+// The same tile over a bfloat16 W panel (see gemm_bf16_pack for its interleaved layout): per k,
+// one 32-byte load holds the 16 columns; a shift by 16 turns the even slots (columns 0-7) into
+// float32, and masking off the low halves turns the odd slots (columns 8-15) into float32. Two
+// integer ops per 12 FMAs, on ports the FMAs don't use; half the weight bytes of float32.
+#define PS_GEMM_STEP_BF16(i)                                                                             \
+  "vmovdqa " #i "*32(%[w]), %%ymm1\n\t"                                                                  \
+  "vpslld $16, %%ymm1, %%ymm0\n\t"                                                                       \
+  "vpand %%ymm3, %%ymm1, %%ymm1\n\t"                                                                     \
+  "vbroadcastss " #i "*24+0(%[x]), %%ymm2\n\t"                                                           \
+  "vfmadd231ps %%ymm0, %%ymm2, %%ymm4\n\t"                                                               \
+  "vfmadd231ps %%ymm1, %%ymm2, %%ymm5\n\t"                                                               \
+  "vbroadcastss " #i "*24+4(%[x]), %%ymm2\n\t"                                                           \
+  "vfmadd231ps %%ymm0, %%ymm2, %%ymm6\n\t"                                                               \
+  "vfmadd231ps %%ymm1, %%ymm2, %%ymm7\n\t"                                                               \
+  "vbroadcastss " #i "*24+8(%[x]), %%ymm2\n\t"                                                           \
+  "vfmadd231ps %%ymm0, %%ymm2, %%ymm8\n\t"                                                               \
+  "vfmadd231ps %%ymm1, %%ymm2, %%ymm9\n\t"                                                               \
+  "vbroadcastss " #i "*24+12(%[x]), %%ymm2\n\t"                                                          \
+  "vfmadd231ps %%ymm0, %%ymm2, %%ymm10\n\t"                                                              \
+  "vfmadd231ps %%ymm1, %%ymm2, %%ymm11\n\t"                                                              \
+  "vbroadcastss " #i "*24+16(%[x]), %%ymm2\n\t"                                                          \
+  "vfmadd231ps %%ymm0, %%ymm2, %%ymm12\n\t"                                                              \
+  "vfmadd231ps %%ymm1, %%ymm2, %%ymm13\n\t"                                                              \
+  "vbroadcastss " #i "*24+20(%[x]), %%ymm2\n\t"                                                          \
+  "vfmadd231ps %%ymm0, %%ymm2, %%ymm14\n\t"                                                              \
+  "vfmadd231ps %%ymm1, %%ymm2, %%ymm15\n\t"
+
+// tile[6][16] = packed x [kc][6] (float32) · packed bfloat16 W slice [kc][16]
+void tile_product(const float* x, const uint16_t* w, int64_t kc, float* tile) {
+  int64_t k4 = kc / 4, k1 = kc % 4;
+  asm volatile(
+      "vpcmpeqd %%ymm3, %%ymm3, %%ymm3\n\t"
+      "vpslld $16, %%ymm3, %%ymm3\n\t"  // 0xffff0000 in every lane: keeps a lane's high bfloat16
+      "vxorps %%ymm4, %%ymm4, %%ymm4\n\t"
+      "vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
+      "vxorps %%ymm6, %%ymm6, %%ymm6\n\t"
+      "vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
+      "vxorps %%ymm8, %%ymm8, %%ymm8\n\t"
+      "vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
+      "vxorps %%ymm10, %%ymm10, %%ymm10\n\t"
+      "vxorps %%ymm11, %%ymm11, %%ymm11\n\t"
+      "vxorps %%ymm12, %%ymm12, %%ymm12\n\t"
+      "vxorps %%ymm13, %%ymm13, %%ymm13\n\t"
+      "vxorps %%ymm14, %%ymm14, %%ymm14\n\t"
+      "vxorps %%ymm15, %%ymm15, %%ymm15\n\t"
+      "test %[k4], %[k4]\n\t"
+      "jz 2f\n\t"
+      "1:\n\t"
+      PS_GEMM_STEP_BF16(0) PS_GEMM_STEP_BF16(1) PS_GEMM_STEP_BF16(2) PS_GEMM_STEP_BF16(3)
+      "add $128, %[w]\n\t"
+      "add $96, %[x]\n\t"
+      "dec %[k4]\n\t"
+      "jnz 1b\n\t"
+      "2:\n\t"
+      "test %[k1], %[k1]\n\t"
+      "jz 4f\n\t"
+      "3:\n\t"
+      PS_GEMM_STEP_BF16(0)
+      "add $32, %[w]\n\t"
+      "add $24, %[x]\n\t"
+      "dec %[k1]\n\t"
+      "jnz 3b\n\t"
+      "4:\n\t"
+      "vmovaps %%ymm4, 0(%[t])\n\t"
+      "vmovaps %%ymm5, 32(%[t])\n\t"
+      "vmovaps %%ymm6, 64(%[t])\n\t"
+      "vmovaps %%ymm7, 96(%[t])\n\t"
+      "vmovaps %%ymm8, 128(%[t])\n\t"
+      "vmovaps %%ymm9, 160(%[t])\n\t"
+      "vmovaps %%ymm10, 192(%[t])\n\t"
+      "vmovaps %%ymm11, 224(%[t])\n\t"
+      "vmovaps %%ymm12, 256(%[t])\n\t"
+      "vmovaps %%ymm13, 288(%[t])\n\t"
+      "vmovaps %%ymm14, 320(%[t])\n\t"
+      "vmovaps %%ymm15, 352(%[t])\n\t"
+      : [x] "+r"(x), [w] "+r"(w), [k4] "+r"(k4), [k1] "+r"(k1)
+      : [t] "r"(tile)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+        "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+}
+#undef PS_GEMM_STEP_BF16
+
 // Lanes [0, n) of a mask for maskload/maskstore.
 inline __m256i first_lanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -145,10 +227,19 @@ void store_tile(const float* tile, float* out, int64_t ldo, int64_t rows, int64_
   }
 }
 
-// rows ≤ 6 of x (row stride ldx), columns [0, kc), as [kc][6], zero-padded past `rows`
-void pack_x_panel(const float* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t bf16) {  // bfloat16 is the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// rows ≤ 6 of x (row stride ldx), columns [0, kc), as float32 [kc][6], zero-padded past `rows`
+template <typename XT>
+void pack_x_panel(const XT* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
   for (int64_t k = 0; k < kc; ++k)
-    for (int64_t r = 0; r < kMR; ++r) out[k * kMR + r] = r < rows ? x[r * ldx + k] : 0.f;
+    for (int64_t r = 0; r < kMR; ++r) out[k * kMR + r] = r < rows ? to_float(x[r * ldx + k]) : 0.f;
 }
 
 // The packed-x block, reused across calls (one per calling thread), 64-byte aligned.
@@ -162,6 +253,52 @@ int64_t k_block(int64_t k) {
   if (k <= kMaxKBlock) return k;
   const int64_t blocks = (k + kKBlock - 1) / kKBlock;
   return ((k + blocks - 1) / blocks + 3) / 4 * 4;
+}
+
+// out[m, n] (row stride ldo) = x[m, k] (row stride ldx) · Wᵀ + bias (bias may be null), with W
+// packed by gemm_f32_pack (WT = float) or gemm_bf16_pack (WT = uint16_t, bfloat16 bits); x is
+// float32 or bfloat16 (XT); sums and out are float32.
+template <typename XT, typename WT>
+void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, int64_t n, const float* bias,
+          float* out, int64_t ldo, int nthreads) {
+  if (m <= 0 || n <= 0) return;
+  const int64_t panels = (n + kNR - 1) / kNR;
+  const int64_t kc_max = k_block(k);
+  const int64_t row_block = std::min(kRowBlock, (m + kMR - 1) / kMR * kMR);
+  float* xp = x_block_buffer(row_block * std::max<int64_t>(kc_max, 1));
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
+  if (k == 0) {  // no products: out = bias (or 0)
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; ++j) out[r * ldo + j] = bias != nullptr ? bias[j] : 0.f;
+    return;
+  }
+  // panels are handed out a few at a time, not split in equal halves up front: on a shared
+  // machine one core is often slower, and a static split leaves the other waiting for it
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, panels / (8 * threads)));
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(32) float tile[kMR * kNR];
+    for (int64_t r0 = 0; r0 < m; r0 += row_block) {
+      const int64_t rows = std::min(row_block, m - r0), row_panels = (rows + kMR - 1) / kMR;
+      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+        const int64_t kc = std::min(kc_max, k - k0);
+        // (the panel loop's implicit barrier: every thread is done with the previous block of xp)
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < row_panels; ++i)
+          pack_x_panel(x + (r0 + i * kMR) * ldx + k0, ldx, std::min(kMR, rows - i * kMR), kc, xp + i * kMR * kc);
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t p = 0; p < panels; ++p) {
+          const WT* wp = w_packed + (p * k + k0) * kNR;
+          const int64_t cols = std::min(kNR, n - p * kNR);
+          for (int64_t i = 0; i < row_panels; ++i) {
+            tile_product(xp + i * kMR * kc, wp, kc, tile);
+            store_tile(tile, out + (r0 + i * kMR) * ldo + p * kNR, ldo, std::min(kMR, rows - i * kMR), cols,
+                       bias != nullptr ? bias + p * kNR : nullptr, k0 > 0);
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -190,44 +327,35 @@ void gemm_f32_pack(const float* w, int64_t n, int64_t k, float* out, int nthread
 // packed by gemm_f32_pack.
 void gemm_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_packed, int64_t n, const float* bias,
               float* out, int64_t ldo, int nthreads) {
-  if (m <= 0 || n <= 0) return;
+  gemm(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+}
+
+// Elements (bfloat16) of the packed form of an [n, k] bfloat16 weight: the same panels as float32.
+int64_t gemm_bf16_packed_size(int64_t n, int64_t k) { return gemm_f32_packed_size(n, k); }
+
+// w [n, k] bfloat16 (row-major) → out [ceil(n/16)][k][16] bfloat16, the last panel zero-padded.
+// Within a k row the 16 columns are interleaved, slot 2j = column j and slot 2j+1 = column 8 + j,
+// so a 32-bit lane holds column j in its low half and column 8 + j in its high half (see the
+// bfloat16 tile). out 32-byte aligned.
+void gemm_bf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
   const int64_t panels = (n + kNR - 1) / kNR;
-  const int64_t kc_max = k_block(k);
-  const int64_t row_block = std::min(kRowBlock, (m + kMR - 1) / kMR * kMR);
-  float* xp = x_block_buffer(row_block * std::max<int64_t>(kc_max, 1));
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
-  if (k == 0) {  // no products: out = bias (or 0)
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < n; ++j) out[r * ldo + j] = bias != nullptr ? bias[j] : 0.f;
-    return;
-  }
-  // panels are handed out a few at a time, not split in equal halves up front: on a shared
-  // machine one core is often slower, and a static split leaves the other waiting for it
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, panels / (8 * threads)));
-#pragma omp parallel num_threads(threads)
-  {
-    alignas(32) float tile[kMR * kNR];
-    for (int64_t r0 = 0; r0 < m; r0 += row_block) {
-      const int64_t rows = std::min(row_block, m - r0), row_panels = (rows + kMR - 1) / kMR;
-      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
-        const int64_t kc = std::min(kc_max, k - k0);
-        // (the panel loop's implicit barrier: every thread is done with the previous block of xp)
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < row_panels; ++i)
-          pack_x_panel(x + (r0 + i * kMR) * ldx + k0, ldx, std::min(kMR, rows - i * kMR), kc, xp + i * kMR * kc);
-#pragma omp for schedule(dynamic, chunk)
-        for (int64_t p = 0; p < panels; ++p) {
-          const float* wp = w_packed + (p * k + k0) * kNR;
-          const int64_t cols = std::min(kNR, n - p * kNR);
-          for (int64_t i = 0; i < row_panels; ++i) {
-            tile_product(xp + i * kMR * kc, wp, kc, tile);
-            store_tile(tile, out + (r0 + i * kMR) * ldo + p * kNR, ldo, std::min(kMR, rows - i * kMR), cols,
-                       bias != nullptr ? bias + p * kNR : nullptr, k0 > 0);
-          }
-        }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t kk = 0; kk < k; ++kk)
+      for (int64_t j = 0; j < kNR; ++j) {
+        const int64_t col = p * kNR + (j % 2 == 0 ? j / 2 : kNR / 2 + j / 2);
+        out[(p * k + kk) * kNR + j] = col < n ? w[col * k + kk] : 0;
       }
-    }
-  }
+}
+
+// out[m, n] float32 = x[m, k] · Wᵀ + bias, W bfloat16 packed by gemm_bf16_pack, x bfloat16
+// (x_is_bf16 = 1) or float32, bias float32 or null. Products and sums in float32.
+void gemm_bf16(const void* x, int x_is_bf16, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
+               const float* bias, float* out, int64_t ldo, int nthreads) {
+  if (x_is_bf16)
+    gemm(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  else
+    gemm(static_cast<const float*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
 
 // The FMA units' peak, GFLOP/s over `nthreads` threads: each thread runs 12 independent chains of
