@@ -39,3 +39,20 @@ def test_engine_pool_reports_resident(llama_dir, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_POPULATE_KV", "1")
     llm = LLM(model=str(llama_dir), num_gpu_blocks_override=64)
     assert llm.llm_engine.kv_cache.wait_resident(60)
+
+
+def test_pool_is_private_memory():
+    """Private anonymous memory: huge pages apply, and a forked child never writes into our pool
+    (an anonymous MAP_SHARED mapping would be shmem, shared across fork)."""
+    t, (addr, nbytes) = zeroed_cpu_tensor((256, 16, 4, 64), torch.float32)  # 4 MiB
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return
+    for line in maps:
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            assert line.split()[1][3] == "p", line
+            break
+    else:
+        raise AssertionError("pool address not in /proc/self/maps")

@@ -63,6 +63,10 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(loaded.model)
         check_fits(config, num_blocks)
         self.kv_cache = KVCache(self.spec, num_blocks, config.block_size, self.dtype, self.device)
+        if self.device.type == "cpu":
+            from pagedserve.runner.cpu_malloc import keep_freed_memory
+
+            log.info("malloc: %s", keep_freed_memory())  # after the KV pool: see runner/cpu_malloc.py
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)

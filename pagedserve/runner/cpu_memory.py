@@ -3,17 +3,19 @@
 A pool of several GiB written with zeros up front costs seconds of start-up (torch.zeros of 4 GiB
 took 7.4 s here), yet leaving the pages untouched moves the cost into the first steps that write
 K/V: every first touch of a page is a fault, about 4 ms per MiB under this machine's hypervisor
-(a 2048-token prefill spent ~9 ms per layer in them). So the pool comes from calloc (through
-numpy: fresh pages, zero by contract, nothing written), Linux is asked for 2 MiB pages, and an
+(a 2048-token prefill spent ~9 ms per layer in them). So the pool is its own anonymous mapping
+(fresh pages, zero by contract, nothing written; not malloc, whose reuse of freed heap memory,
+see cpu_malloc.py, would have calloc clear it byte by byte), Linux is asked for 2 MiB pages, and an
 idle-priority thread makes the pages resident with MADV_POPULATE_WRITE, which faults them in
 without changing a byte, so it can run while the engine already writes K/V. Lowest blocks first:
 the block manager hands them out first. Everything is best effort: elsewhere the pool is simply
-calloc'd memory.
+mapped memory, and where mmap is missing, calloc'd memory.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -44,7 +46,12 @@ def zeroed_cpu_tensor(shape, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[in
     for d in shape:
         n *= d
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + HUGE_PAGE, dtype=np.uint8)
+    # private (MAP_SHARED, mmap's default, would be shmem: no huge pages, shared with forked children);
+    # unmapped when the last view of it goes (numpy keeps the mmap object as the array's base)
+    try:
+        raw = np.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE), dtype=np.uint8)
+    except (OSError, ValueError, AttributeError):
+        raw = np.zeros(nbytes + HUGE_PAGE, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE  # rows never straddle cache lines; huge pages fit
     addr = raw.ctypes.data + start
     libc = _libc()
