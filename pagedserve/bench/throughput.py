@@ -152,6 +152,9 @@ def run(args) -> int:
         result["gemm_ceiling_gflops"] = ceiling["gflops"]
         result["gemm_ceiling_by_rows"] = ceiling["by_rows"]
         result["ceiling_fraction"] = result["pagedserve"]["achieved_gflops"] / ceiling["gflops"]
+        result["torch_gemm_ceiling_gflops"] = ceiling["torch_gflops"]
+        result["torch_gemm_ceiling_by_rows"] = ceiling["torch_by_rows"]
+        result["torch_ceiling_fraction"] = result["pagedserve"]["achieved_gflops"] / ceiling["torch_gflops"]
     _print(result, ours[-1].get("profile_text"))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -176,6 +179,9 @@ def _print(r: dict, profile_text: str | None) -> None:
         rows = ", ".join(f"{m} rows {g:.1f}" for m, g in r["gemm_ceiling_by_rows"].items())
         print(f"GEMM ceiling on the model's shapes: {r['gemm_ceiling_gflops']:.1f} GFLOP/s ({rows}); "
               f"pagedserve achieved {100 * r['ceiling_fraction']:.1f} % of it")
+        if "torch_gemm_ceiling_gflops" in r and r["torch_gemm_ceiling_gflops"] < r["gemm_ceiling_gflops"]:
+            print(f"  torch's own GEMMs alone (linear, oneDNN prepacked): {r['torch_gemm_ceiling_gflops']:.1f} GFLOP/s; "
+                  f"pagedserve achieved {100 * r['torch_ceiling_fraction']:.1f} % of that")
     print(f"prefill tokens computed: {p['prefill_tokens_computed']} of {r['prompt_tokens']} "
           f"(prefix-cache hits {p['prefix_cache_hit_tokens']} tokens)")
     if profile_text:

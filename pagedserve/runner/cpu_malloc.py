@@ -4,10 +4,9 @@ A CPU step allocates activations of tens of MiB (a 2048-token chunk of the 1B mo
 gate/up output) and frees them a few microseconds later. glibc serves blocks above its mmap
 threshold (at most 32 MiB) with a fresh mmap and returns them with munmap, and trims the top of
 the heap once more than twice that is free. Either way the next step faults every page back in,
-and the kernel zeroes each one: on the medium model's W2, 1.9 million faults and 15-21 s of
-system time in a 49 s run. With mmap off for malloc and trimming pushed out of reach, freed
-blocks stay in the heap and are reused: 1.2 million faults, ~10 s of system time, 8-10 % less
-wall time (tcmalloc, which vLLM's CPU docs preload, gets the same by keeping freed spans).
+and the kernel zeroes each one. With mmap off for malloc and trimming pushed out of reach, freed
+blocks stay in the heap and are reused (tcmalloc, which vLLM's CPU docs preload, gets the same by
+keeping freed spans).
 
 Measured on 2 cores (PAGEDSERVE_MALLOC_TUNING=1 vs 0, 3 alternated runs of W2's first requests):
 small, 100 requests, medians 50.2 vs 52.4 s; medium, 48 requests, 97.5 vs 99.0 s; faults 2.5-5x
