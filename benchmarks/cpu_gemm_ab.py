@@ -41,7 +41,18 @@ def layer_shapes(shape: dict) -> list[tuple[str, int, int, int]]:
 def variants(w: torch.Tensor, rows: int) -> dict:
     packed_native = cpu_gemm.pack_weight(w)
     n = w.shape[0]
-    out = {"native": lambda x: cpu_gemm.linear(x, packed_native, n)}
+    out = {"native": lambda x: cpu_gemm.linear(x, packed_native)}
+    if w.dtype == torch.bfloat16 and cpu_gemm.bf16_k_pairs():  # the AVX2 tile beside the AVX-512 one
+        interleaved = cpu_gemm.pack_weight(w, k_pairs=False)
+        out["native_avx2"] = lambda x: cpu_gemm.linear(x, interleaved)
+    if w.dtype == torch.float32 and cpu_gemm.vector_bits() == 512:  # the AVX2 tile beside the AVX-512 one
+        def native_avx2(x):
+            cpu_gemm.set_avx512(False)
+            try:
+                return cpu_gemm.linear(x, packed_native)
+            finally:
+                cpu_gemm.set_avx512(True)
+        out["native_avx2"] = native_avx2
     try:
         packed_onednn = torch.ops.mkldnn._reorder_linear_weight(w, rows)
         onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed_onednn, None, "none", [], "")  # noqa: E731

@@ -1,6 +1,7 @@
 """The native CPU GEMM against torch's linear, on the shapes that exercise its edges (float32, and
-bfloat16 weights widened in the kernel), and the engine greedy-identical to transformers with it,
-with oneDNN and with plain torch linears; in bfloat16, close to transformers bfloat16."""
+bfloat16 weights widened in the kernel), on each tile this CPU runs (AVX2, and AVX-512 where it
+has it), and the engine greedy-identical to transformers with it, with oneDNN and with plain
+torch linears; in bfloat16, close to transformers bfloat16."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,20 +23,34 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-# rows: within one 6-row tile, across tiles, across the 510-row blocks; K: shorter than the
-# 4-step unroll, odd, one k block, cut into blocks (> 1100); N: inside one 16-column panel, one
-# panel plus a remainder, fewer panels than threads
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 1031])
-@pytest.mark.parametrize("k,n", [(1, 16), (3, 17), (37, 40), (512, 1), (1101, 33), (2300, 48)])
-def test_linear_matches_torch(threads, m, k, n):
+_AVX512 = cpu_gemm.vector_bits() == 512
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def tile(request):
+    """Runs float32 GEMMs on one tile, and packs bfloat16 weights for it (k_pairs)."""
+    if request.param == "avx512" and not _AVX512:
+        pytest.skip("this CPU has no AVX-512")
+    cpu_gemm.set_avx512(request.param == "avx512")
+    yield request.param == "avx512"
+    cpu_gemm.set_avx512(True)
+
+
+# rows: within one tile (6 rows AVX2, 8 AVX-512), across tiles, across the 510/512-row blocks; K:
+# 1, odd (bfloat16 k pairs pad it), one k block, cut into blocks (> 1100); N: inside one
+# 16-column panel, 2 and 3 panels side by side (the AVX-512 tile's widths), several tiles of 3
+# plus a remainder, fewer panels than threads
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 9, 64, 1031])
+@pytest.mark.parametrize("k,n", [(1, 16), (3, 17), (37, 40), (512, 1), (5, 130), (64, 100), (1101, 33), (2300, 48)])
+def test_linear_matches_torch(threads, tile, m, k, n):
     g = torch.Generator().manual_seed(m * 7 + k + n)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
     x = torch.randn(m, k, generator=g)
     packed = cpu_gemm.pack_weight(w)
     tol = dict(rtol=1e-4, atol=1e-4 * k ** 0.5)
-    assert torch.allclose(cpu_gemm.linear(x, packed, n), x @ w.T, **tol)
-    assert torch.allclose(cpu_gemm.linear(x, packed, n, b), F.linear(x, w, b), **tol)
+    assert torch.allclose(cpu_gemm.linear(x, packed), x @ w.T, **tol)
+    assert torch.allclose(cpu_gemm.linear(x, packed, b), F.linear(x, w, b), **tol)
 
 
 def _float32_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,17 +61,17 @@ def _float32_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
 # bfloat16 weights: same edges. The kernel widens the weights exactly and sums in float32, then
 # rounds once to bfloat16: each output is within one bfloat16 rounding (2^-9 relative) of the
 # exact sum, plus float32 summation error. A wrongly interleaved column or lane is off by O(1).
-@pytest.mark.parametrize("m", [1, 7, 64, 1031])
-@pytest.mark.parametrize("k,n", [(1, 16), (3, 17), (37, 40), (1101, 33), (2300, 48)])
-def test_bf16_linear_is_float32_sums_rounded_once(threads, m, k, n):
+@pytest.mark.parametrize("m", [1, 7, 9, 64, 1031])
+@pytest.mark.parametrize("k,n", [(1, 16), (3, 17), (37, 40), (5, 130), (1101, 33), (2300, 48)])
+def test_bf16_linear_is_float32_sums_rounded_once(threads, tile, m, k, n):
     g = torch.Generator().manual_seed(m * 5 + k + n)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g).bfloat16()
-    packed = cpu_gemm.pack_weight(w)
-    assert packed.dtype == torch.bfloat16
+    packed = cpu_gemm.pack_weight(w, k_pairs=tile)
+    assert packed.dtype == torch.bfloat16 and packed.k_pairs == tile
     for bias in (None, b.float()):
-        out = cpu_gemm.linear(x, packed, n, bias)
+        out = cpu_gemm.linear(x, packed, bias)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         exact = _float32_sums(x, w, bias)
         err = (out.double() - exact).abs()
@@ -65,7 +80,7 @@ def test_bf16_linear_is_float32_sums_rounded_once(threads, m, k, n):
         assert (out == exact.to(torch.bfloat16)).float().mean() > 0.97
     # float32 activations against the same bfloat16 panels
     x32 = torch.randn(m, k, generator=g)
-    err = (cpu_gemm.linear(x32, packed, n).double() - _float32_sums(x32, w)).abs()
+    err = (cpu_gemm.linear(x32, packed).double() - _float32_sums(x32, w)).abs()
     assert (err <= _float32_sums(x32, w).abs() * 2 ** -8 + 1e-5 * k ** 0.5).all()
 
 
@@ -92,13 +107,13 @@ def test_pack_linears_swaps_every_float32_linear():
     assert torch.allclose(model(x), want, rtol=1e-4, atol=1e-5)
 
 
-def test_pack_linears_takes_bf16_linears_only_without_bf16_units(monkeypatch):
+def test_pack_linears_takes_bf16_linears_only_without_amx(monkeypatch):
     model = nn.Sequential(nn.Linear(64, 48), nn.SiLU(), nn.Linear(48, 16, bias=False)).bfloat16()
     x = torch.randn(5, 64).bfloat16()
     want = model(x).float()
-    monkeypatch.setattr(cpu_gemm, "bf16_units", lambda: True)  # oneDNN's bf16 GEMM is the faster one there
+    monkeypatch.setattr(cpu_gemm, "amx", lambda: True)  # oneDNN's AMX bf16 GEMM is the faster one there
     assert pack_linears(model, batch_hint=8) == (0, "native GEMM")
-    monkeypatch.setattr(cpu_gemm, "bf16_units", lambda: False)
+    monkeypatch.setattr(cpu_gemm, "amx", lambda: False)
     assert pack_linears(model, batch_hint=8) == (2, "native GEMM")
     assert isinstance(model[0], cpu_gemm.NativeLinear) and model[0].packed.dtype == torch.bfloat16
     got = model(x)
@@ -106,8 +121,16 @@ def test_pack_linears_takes_bf16_linears_only_without_bf16_units(monkeypatch):
     assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("gemm", ["native", "onednn", "torch"])
-def test_engine_greedy_matches_transformers_on_each_linear_path(llama_dir, monkeypatch, gemm):
+@pytest.fixture
+def restore_avx512():
+    yield
+    cpu_gemm.set_avx512(True)  # PAGEDSERVE_CPU_GEMM=avx2 switches the float32 tile for the process
+
+
+@pytest.mark.parametrize("gemm", ["native", "avx2", "onednn", "torch"])
+def test_engine_greedy_matches_transformers_on_each_linear_path(llama_dir, monkeypatch, restore_avx512, gemm):
+    if gemm == "avx2" and not _AVX512:
+        pytest.skip("the same as native on a CPU without AVX-512")
     if gemm == "torch":
         monkeypatch.setenv("PAGEDSERVE_PACK_WEIGHTS", "0")
     else:
@@ -116,21 +139,29 @@ def test_engine_greedy_matches_transformers_on_each_linear_path(llama_dir, monke
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm = LLM(model=str(llama_dir), num_gpu_blocks_override=256)
     linears = {type(m).__name__ for m in llm.llm_engine.runner.model.modules() if "Linear" in type(m).__name__}
-    assert linears == {"native": {"NativeLinear"}, "onednn": {"PackedLinear"}, "torch": {"Linear"}}[gemm]
+    want = {"native": {"NativeLinear"}, "avx2": {"NativeLinear"}, "onednn": {"PackedLinear"}, "torch": {"Linear"}}
+    assert linears == want[gemm]
+    if gemm in ("native", "avx2"):
+        assert cpu_gemm.vector_bits() == (512 if gemm == "native" and _AVX512 else 256)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     for p, o in zip(prompts, out):
         assert o.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(p), 8)
 
 
-def test_engine_bf16_on_native_gemm_tracks_transformers_bf16(llama_dir, monkeypatch):
+@pytest.mark.parametrize("gemm", ["native", "avx2"])
+def test_engine_bf16_on_native_gemm_tracks_transformers_bf16(llama_dir, monkeypatch, restore_avx512, gemm):
     # bfloat16 rounds differently in every engine, so greedy paths of a random-weight model (flat
     # logits, many near-ties) may part; what must hold is that every token we pick is one
     # transformers bfloat16 also rates (near-)top, with about the logprob it gives it.
-    monkeypatch.setattr(cpu_gemm, "bf16_units", lambda: False)  # the path AVX2-only CPUs take
+    if gemm == "native" and not _AVX512:
+        pytest.skip("the same as avx2 on a CPU without AVX-512")
+    monkeypatch.setattr(cpu_gemm, "amx", lambda: False)  # with AMX, bf16 layers stay torch's
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", gemm)
     prompts = random_prompts(3, 300, [6, 45, 120], seed=5)
     llm = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256)
     natives = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, cpu_gemm.NativeLinear)]
-    assert natives and all(m.packed.dtype == torch.bfloat16 for m in natives)
+    assert natives and all(m.packed.dtype == torch.bfloat16 and m.packed.k_pairs == (gemm == "native")
+                           for m in natives)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
     for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp)):
         ids = o.outputs[0].token_ids

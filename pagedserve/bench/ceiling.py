@@ -53,7 +53,7 @@ def _linear_variants(w: torch.Tensor, rows: int):
 
         if w.dtype in cpu_gemm.DTYPES and cpu_gemm.usable():
             packed_native = cpu_gemm.pack_weight(w)
-            yield False, lambda x: cpu_gemm.linear(x, packed_native, w.shape[0])
+            yield False, lambda x: cpu_gemm.linear(x, packed_native)
 
 
 @torch.inference_mode()

@@ -1,19 +1,23 @@
-"""Float32 and bfloat16 linear layers on our own AVX2 GEMM (csrc/gemm_cpu.cpp), called through ctypes.
+"""Float32 and bfloat16 linear layers on our own GEMM (csrc/gemm_cpu.cpp), called through ctypes.
 
-The weight is packed once into 16-column panels; each call packs the activations into 6-row
-panels and runs a 6×16 register-tile kernel. On the decoder's shapes this measured 1.1-1.3× the
-rate of oneDNN with a prepacked weight (benchmarks/cpu_gemm_ab.py). `usable()` is False where the
-library can't be built (no compiler, PAGEDSERVE_CPU_KERNELS=0) or the CPU lacks AVX2/FMA; the
-caller then keeps oneDNN or torch's linear.
+The weight is packed once into 16-column panels; each call packs the activations into row panels
+and runs a register-tile kernel: 6×16 on AVX2 CPUs, 8×48 on AVX-512 ones (csrc/
+gemm_tile_avx512.h). On the decoder's shapes this measured 1.1-1.3× the rate of oneDNN with a
+prepacked weight on an AVX2 machine and about the same as it on an AVX-512 Xeon
+(benchmarks/cpu_gemm_ab.py). `usable()` is False where the library can't be built (no compiler,
+PAGEDSERVE_CPU_KERNELS=0) or the CPU lacks AVX2/FMA; the caller then keeps oneDNN or torch's
+linear. PAGEDSERVE_CPU_GEMM=avx2 keeps the AVX2 tile on an AVX-512 CPU (for A/B runs).
 
 bfloat16 weights stay bfloat16 in their panels (half the bytes) and are widened to float32 inside
-the kernel; products and sums are float32 and the output is rounded to bfloat16 once. CPUs
-without bfloat16 units (AVX2-only, most AMD before Zen 4) otherwise run torch's bfloat16 linear
-through an emulated path at a few GFLOP/s, 20× slower than this.
+the kernel; products and sums are float32 and the output is rounded to bfloat16 once. Where the
+CPU has no AMX this beats torch's bfloat16 linear: AVX2-only CPUs run that through an emulated
+path at a few GFLOP/s, 20× slower; AVX512-BF16 Xeons run oneDNN's vdpbf16ps GEMM at ~0.75× our
+widening AVX-512 tile (their vdpbf16ps issues at half the float32 FMA's rate).
 """
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
@@ -32,12 +36,33 @@ _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS, "libpagedser
     "gemm_bf16_pack": (None, [_P, _I, _I, _P, _N]),
     "gemm_bf16": (None, [_P, _N, _I, _I, _I, _P, _I, _P, _P, _I, _N]),
     "fma_peak_gflops": (ctypes.c_double, [_N]),
+    "gemm_bf16kp_supported": (_N, []),
+    "gemm_bf16kp_packed_size": (_I, [_I, _I]),
+    "gemm_bf16kp_pack": (None, [_P, _I, _I, _P, _N]),
+    "gemm_bf16kp": (None, [_P, _N, _I, _I, _I, _P, _I, _P, _P, _I, _N]),
+    "gemm_f32_vector_bits": (_N, []),
+    "gemm_f32_set_avx512": (_N, [_N]),
 }, "native CPU GEMM", "using oneDNN / torch linear")
 
 
 def usable() -> bool:
     lib = _native.load()
-    return lib is not None and bool(lib.gemm_f32_supported())
+    if lib is None or not lib.gemm_f32_supported():
+        return False
+    if os.environ.get("PAGEDSERVE_CPU_GEMM") == "avx2":  # the AVX2 tile even where AVX-512 is there (A/B runs)
+        lib.gemm_f32_set_avx512(0)
+    return True
+
+
+def vector_bits() -> int:
+    """The width of the float32 tile in use: 512 on CPUs with AVX-512, else 256 (AVX2)."""
+    return _native.load().gemm_f32_vector_bits()
+
+
+def set_avx512(on: bool) -> int:
+    """Runs float32 GEMMs on the AVX-512 tile (if the CPU has it) or on the AVX2 one; returns the
+    width now in use. For A/B runs and tests: both tiles read the same packed weights."""
+    return _native.load().gemm_f32_set_avx512(int(on))
 
 
 def fma_peak_gflops(threads: int) -> float:
@@ -48,38 +73,60 @@ def fma_peak_gflops(threads: int) -> float:
 DTYPES = (torch.float32, torch.bfloat16)  # what pack_weight takes
 
 
-def bf16_units() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), where oneDNN's
-    bfloat16 GEMM behind torch's own linear beats our float32 FMAs on widened weights."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+def amx() -> bool:
+    """Whether this CPU has AMX tiles, whose bfloat16 matrix units oneDNN (behind torch's linear)
+    uses: there bfloat16 layers are left to torch."""
+    return torch.cpu._is_amx_tile_supported()
+
+
+def bf16_k_pairs() -> bool:
+    """Whether bfloat16 weights run on the AVX-512 tile (packed in k pairs) rather than the AVX2
+    one (interleaved columns): where the CPU has AVX-512, unless PAGEDSERVE_CPU_GEMM=avx2."""
+    lib = _native.load()
+    return lib is not None and bool(lib.gemm_bf16kp_supported()) and os.environ.get("PAGEDSERVE_CPU_GEMM") != "avx2"
 
 
 def fast_dtypes() -> tuple[torch.dtype, ...]:
     """Weight dtypes for which the native GEMM is this CPU's fastest linear."""
-    return DTYPES if not bf16_units() else (torch.float32,)
+    return (torch.float32,) if amx() else DTYPES
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 or bfloat16 → its packed panels (a flat tensor of the same dtype)."""
-    w = weight.detach().contiguous()
-    if w.dtype not in DTYPES:
-        raise TypeError(f"the native GEMM takes float32 or bfloat16 weights, not {w.dtype}")
-    n, k = w.shape
-    bf16 = w.dtype == torch.bfloat16
-    size = (_native.lib.gemm_bf16_packed_size if bf16 else _native.lib.gemm_f32_packed_size)(n, k)
-    packed = torch.empty(size, dtype=w.dtype)
-    assert packed.data_ptr() % 32 == 0  # the kernel reads panels with aligned loads; torch aligns to 64
-    (_native.lib.gemm_bf16_pack if bf16 else _native.lib.gemm_f32_pack)(w.data_ptr(), n, k, packed.data_ptr(),
-                                                                         torch.get_num_threads())
-    return packed
+class PackedWeight:
+    """A weight packed for the native GEMM: the flat panels (a tensor of the weight's dtype), its
+    shape, and for bfloat16 which of the two layouts it is in (k pairs for the AVX-512 tile, or
+    interleaved columns for the AVX2 one)."""
+
+    def __init__(self, weight: torch.Tensor, k_pairs: bool | None = None):
+        w = weight.detach().contiguous()
+        if w.dtype not in DTYPES:
+            raise TypeError(f"the native GEMM takes float32 or bfloat16 weights, not {w.dtype}")
+        self.out_features, self.in_features = w.shape
+        self.dtype = w.dtype
+        bf16 = w.dtype == torch.bfloat16
+        self.k_pairs = bf16 and (bf16_k_pairs() if k_pairs is None else k_pairs)
+        lib = _native.lib
+        size_fn, pack_fn = ((lib.gemm_bf16kp_packed_size, lib.gemm_bf16kp_pack) if self.k_pairs else
+                            (lib.gemm_bf16_packed_size, lib.gemm_bf16_pack) if bf16 else
+                            (lib.gemm_f32_packed_size, lib.gemm_f32_pack))
+        self.panels = torch.empty(size_fn(*w.shape), dtype=w.dtype)
+        assert self.panels.data_ptr() % 64 == 0  # the kernels read panels with aligned loads; torch aligns to 64
+        pack_fn(w.data_ptr(), *w.shape, self.panels.data_ptr(), torch.get_num_threads())
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, k_pairs: bool | None = None) -> PackedWeight:
+    """weight [N, K] float32 or bfloat16 → its packed panels. k_pairs (bfloat16 only) picks the
+    layout, and with it the tile; by default the AVX-512 one where it runs (see bf16_k_pairs)."""
+    return PackedWeight(weight, k_pairs)
+
+
+def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · Wᵀ (+ bias) → [..., N] with W packed by `pack_weight`.
 
     The result has the weight's dtype; x may be float32 or bfloat16 (others are converted), and a
     bias is float32 (bfloat16 weights: see NativeLinear, which keeps it widened)."""
-    k = x.shape[-1]
+    k, out_features = x.shape[-1], packed.out_features
+    if k != packed.in_features:
+        raise ValueError(f"x has {k} features, the weight takes {packed.in_features}")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     bf16_w = packed.dtype == torch.bfloat16
@@ -91,12 +138,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     out = torch.empty((m, out_features), dtype=torch.float32)
     b = bias.data_ptr() if bias is not None else None
     if bf16_w:
-        _native.lib.gemm_bf16(x2.data_ptr(), int(x2.dtype == torch.bfloat16), x2.stride(0), m, k, packed.data_ptr(),
-                              out_features, b, out.data_ptr(), out_features, torch.get_num_threads())
+        fn = _native.lib.gemm_bf16kp if packed.k_pairs else _native.lib.gemm_bf16
+        fn(x2.data_ptr(), int(x2.dtype == torch.bfloat16), x2.stride(0), m, k, packed.panels.data_ptr(),
+           out_features, b, out.data_ptr(), out_features, torch.get_num_threads())
         out = out.to(torch.bfloat16)
     else:
-        _native.lib.gemm_f32(x2.data_ptr(), x2.stride(0), m, k, packed.data_ptr(), out_features, b, out.data_ptr(),
-                             out_features, torch.get_num_threads())
+        _native.lib.gemm_f32(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
+                             out.data_ptr(), out_features, torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -111,7 +159,7 @@ class NativeLinear(nn.Module):
         self.bias = linear_layer.bias.detach().float().contiguous() if linear_layer.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.packed, self.out_features, self.bias)
+        return linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

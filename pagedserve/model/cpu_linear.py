@@ -2,12 +2,13 @@
 
 torch's default `linear` on the CPU re-lays the weight out for the GEMM kernel on every call. Two
 prepacked paths replace it, the first that works on this machine:
-  1. our own AVX2 GEMM (model/cpu_gemm.py), 1.1-1.3× oneDNN's rate on the decoder's float32
-     shapes; for bfloat16 weights ~9× torch's linear on CPUs without bfloat16 units;
+  1. our own GEMM (model/cpu_gemm.py; AVX2 or AVX-512 tiles), 1.1-1.3× oneDNN's rate on the
+     decoder's float32 shapes on AVX2 CPUs, about its rate on AVX-512 ones; for bfloat16
+     weights ~9× torch's linear on AVX2-only CPUs and ~1.3× on AVX512-BF16 Xeons without AMX;
   2. oneDNN with the weight reordered once into its blocked format (torch's own ops, the ones
      torch.compile's freezing pass emits), ~1.4× torch's plain `linear` on the decode shapes.
-     float32 only. On CPUs with bfloat16 units (AVX512-BF16, AMX) bfloat16 layers stay torch's
-     `linear`, whose oneDNN GEMM uses them.
+     float32 only. On CPUs with AMX, bfloat16 layers stay torch's `linear`, whose oneDNN GEMM
+     uses the matrix units.
 Where both are missing or refuse a dtype/CPU the layer simply stays a plain nn.Linear.
 PAGEDSERVE_CPU_GEMM=onednn skips the first.
 """

@@ -14,6 +14,8 @@
 //     in inline assembly because GCC spills one of the 12 accumulators when it allocates them.
 //   - Threads take the panels of W a few at a time (each panel is read by one thread) and share
 //     the packed x block.
+//   - On CPUs with AVX-512 the driver runs an 8-row × 48-column zmm tile instead, over the same
+//     packed W (gemm_tile_avx512.h): the ymm tile uses half of each FMA unit there.
 // Sums run over k in order within a kc block, then block by block: float32 throughout.
 // Plain C ABI, called through ctypes (see model/cpu_gemm.py).
 #include <immintrin.h>
@@ -23,6 +25,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <vector>
+
+#include "gemm_tile_avx512.h"
 
 namespace {
 
@@ -199,34 +203,25 @@ inline __m256i first_lanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// out[rows][cols] (row stride ldo) = tile (+ out, when accumulating a later k block) (+ bias, on
-// the first k block); rows ≤ 6 and cols ≤ 16 cut the tile at the matrix edges.
-void store_tile(const float* tile, float* out, int64_t ldo, int64_t rows, int64_t cols, const float* bias,
-                bool accumulate) {
-  const __m256i m0 = first_lanes(cols), m1 = first_lanes(cols - 8);
-  __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-  if (bias != nullptr && !accumulate) {
-    b0 = _mm256_maskload_ps(bias, m0);
-    b1 = _mm256_maskload_ps(bias + 8, m1);
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = out + r * ldo;
-    __m256 v0 = _mm256_add_ps(_mm256_load_ps(tile + r * kNR), b0);
-    __m256 v1 = _mm256_add_ps(_mm256_load_ps(tile + r * kNR + 8), b1);
-    if (cols == kNR) {
-      if (accumulate) {
-        v0 = _mm256_add_ps(v0, _mm256_loadu_ps(o));
-        v1 = _mm256_add_ps(v1, _mm256_loadu_ps(o + 8));
+// out[rows][cols] (row stride ldo) = tile (row stride ld_tile) (+ out, when accumulating a later k
+// block) (+ bias, on the first k block); rows and cols cut the tile at the matrix edges. Eight
+// columns at a time, the last chunk masked.
+void store_tile(const float* tile, int64_t ld_tile, float* out, int64_t ldo, int64_t rows, int64_t cols,
+                const float* bias, bool accumulate) {
+  for (int64_t c = 0; c < cols; c += 8) {
+    const bool whole = cols - c >= 8;
+    const __m256i mask = first_lanes(cols - c);
+    const __m256 b = bias != nullptr && !accumulate ? _mm256_maskload_ps(bias + c, mask) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + r * ldo + c;
+      __m256 v = _mm256_add_ps(_mm256_load_ps(tile + r * ld_tile + c), b);
+      if (whole) {
+        if (accumulate) v = _mm256_add_ps(v, _mm256_loadu_ps(o));
+        _mm256_storeu_ps(o, v);
+      } else {
+        if (accumulate) v = _mm256_add_ps(v, _mm256_maskload_ps(o, mask));
+        _mm256_maskstore_ps(o, mask, v);
       }
-      _mm256_storeu_ps(o, v0);
-      _mm256_storeu_ps(o + 8, v1);
-    } else {
-      if (accumulate) {
-        v0 = _mm256_add_ps(v0, _mm256_maskload_ps(o, m0));
-        v1 = _mm256_add_ps(v1, _mm256_maskload_ps(o + 8, m1));
-      }
-      _mm256_maskstore_ps(o, m0, v0);
-      _mm256_maskstore_ps(o + 8, m1, v1);
     }
   }
 }
@@ -239,11 +234,12 @@ inline float to_float(uint16_t bf16) {  // bfloat16 is the high half of a float3
   return v;
 }
 
-// rows ≤ 6 of x (row stride ldx), columns [0, kc), as float32 [kc][6], zero-padded past `rows`
-template <typename XT>
-void pack_x_panel(const XT* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
-  for (int64_t k = 0; k < kc; ++k)
-    for (int64_t r = 0; r < kMR; ++r) out[k * kMR + r] = r < rows ? to_float(x[r * ldx + k]) : 0.f;
+// rows ≤ MR of x (row stride ldx), columns [0, kc), as float32 [kc_padded][MR], zero-padded past
+// `rows` and past kc
+template <int64_t MR, typename XT>
+void pack_x_panel(const XT* x, int64_t ldx, int64_t rows, int64_t kc, int64_t kc_padded, float* out) {
+  for (int64_t k = 0; k < kc_padded; ++k)
+    for (int64_t r = 0; r < MR; ++r) out[k * MR + r] = r < rows && k < kc ? to_float(x[r * ldx + k]) : 0.f;
 }
 
 // The packed-x block, reused across calls (one per calling thread), 64-byte aligned.
@@ -259,44 +255,81 @@ int64_t k_block(int64_t k) {
   return ((k + blocks - 1) / blocks + 3) / 4 * 4;
 }
 
+// The register tiles the driver below runs: how many rows and W panels one covers, how many k
+// rows a packed W panel has (w_k: bfloat16 k pairs round K up to even) and so how long a packed x
+// panel of kc columns is, how to run it, and how many rows of x to pack at a time (a multiple of
+// the tile's rows; ~2 MB at kc = 1024).
+template <int64_t MR, int64_t KStep>
+struct TileShape {
+  static constexpr int64_t kMR = MR;
+  static int64_t w_k(int64_t k) { return (k + KStep - 1) / KStep * KStep; }
+  static int64_t x_panel_elems(int64_t kc) { return MR * w_k(kc); }
+  template <typename XT>
+  static void pack_x(const XT* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
+    pack_x_panel<MR>(x, ldx, rows, kc, w_k(kc), out);
+  }
+};
+struct Avx2Tile : TileShape<6, 1> {
+  static constexpr int64_t kPanels = 1, kCols = kPanels * kNR, kRowBlock = 510;
+  template <typename WT>
+  static void product(const float* x, const WT* w, int64_t /*panel_stride*/, int64_t kc, int /*np*/, float* tile) {
+    tile_product(x, w, kc, tile);
+  }
+};
+struct Avx512Tile : TileShape<avx512::kMR, 1> {
+  static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
+  static void product(const float* x, const float* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
+    avx512::tile_product(x, w, panel_stride, kc, np, tile);
+  }
+};
+struct Avx512Bf16Tile : TileShape<avx512::kMR, 2> {
+  static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
+  static void product(const float* x, const uint16_t* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
+    avx512::tile_product_bf16(x, w, panel_stride, (kc + 1) / 2, np, tile);
+  }
+};
+
 // out[m, n] (row stride ldo) = x[m, k] (row stride ldx) · Wᵀ + bias (bias may be null), with W
 // packed by gemm_f32_pack (WT = float) or gemm_bf16_pack (WT = uint16_t, bfloat16 bits); x is
 // float32 or bfloat16 (XT); sums and out are float32.
-template <typename XT, typename WT>
+template <typename Tile, typename XT, typename WT>
 void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, int64_t n, const float* bias,
           float* out, int64_t ldo, int nthreads) {
   if (m <= 0 || n <= 0) return;
-  const int64_t panels = (n + kNR - 1) / kNR;
-  const int64_t kc_max = k_block(k);
-  const int64_t row_block = std::min(kRowBlock, (m + kMR - 1) / kMR * kMR);
-  float* xp = x_block_buffer(row_block * std::max<int64_t>(kc_max, 1));
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, panels)));
+  constexpr int64_t MR = Tile::kMR;
+  const int64_t panels = (n + kNR - 1) / kNR, groups = (panels + Tile::kPanels - 1) / Tile::kPanels;
+  const int64_t kc_max = k_block(k), wk = Tile::w_k(k);
+  const int64_t row_block = std::min(Tile::kRowBlock, (m + MR - 1) / MR * MR);
+  float* xp = x_block_buffer(row_block / MR * Tile::x_panel_elems(std::max<int64_t>(kc_max, 1)));
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, groups)));
   if (k == 0) {  // no products: out = bias (or 0)
     for (int64_t r = 0; r < m; ++r)
       for (int64_t j = 0; j < n; ++j) out[r * ldo + j] = bias != nullptr ? bias[j] : 0.f;
     return;
   }
-  // panels are handed out a few at a time, not split in equal halves up front: on a shared
-  // machine one core is often slower, and a static split leaves the other waiting for it
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, panels / (8 * threads)));
+  // groups of panels are handed out a few at a time, not split in equal halves up front: on a
+  // shared machine one core is often slower, and a static split leaves the other waiting for it
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, groups / (8 * threads)));
 #pragma omp parallel num_threads(threads)
   {
-    alignas(32) float tile[kMR * kNR];
+    alignas(64) float tile[MR * Tile::kCols];
     for (int64_t r0 = 0; r0 < m; r0 += row_block) {
-      const int64_t rows = std::min(row_block, m - r0), row_panels = (rows + kMR - 1) / kMR;
+      const int64_t rows = std::min(row_block, m - r0), row_panels = (rows + MR - 1) / MR;
       for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
-        const int64_t kc = std::min(kc_max, k - k0);
+        const int64_t kc = std::min(kc_max, k - k0), x_panel = Tile::x_panel_elems(kc);
         // (the panel loop's implicit barrier: every thread is done with the previous block of xp)
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < row_panels; ++i)
-          pack_x_panel(x + (r0 + i * kMR) * ldx + k0, ldx, std::min(kMR, rows - i * kMR), kc, xp + i * kMR * kc);
+          Tile::pack_x(x + (r0 + i * MR) * ldx + k0, ldx, std::min(MR, rows - i * MR), kc, xp + i * x_panel);
 #pragma omp for schedule(dynamic, chunk)
-        for (int64_t p = 0; p < panels; ++p) {
-          const WT* wp = w_packed + (p * k + k0) * kNR;
-          const int64_t cols = std::min(kNR, n - p * kNR);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t p = g * Tile::kPanels;
+          const WT* wp = w_packed + (p * wk + k0) * kNR;
+          const int np = static_cast<int>(std::min(Tile::kPanels, panels - p));
+          const int64_t cols = std::min(np * kNR, n - p * kNR);
           for (int64_t i = 0; i < row_panels; ++i) {
-            tile_product(xp + i * kMR * kc, wp, kc, tile);
-            store_tile(tile, out + (r0 + i * kMR) * ldo + p * kNR, ldo, std::min(kMR, rows - i * kMR), cols,
+            Tile::product(xp + i * x_panel, wp, wk * kNR, kc, np, tile);
+            store_tile(tile, Tile::kCols, out + (r0 + i * MR) * ldo + p * kNR, ldo, std::min(MR, rows - i * MR), cols,
                        bias != nullptr ? bias + p * kNR : nullptr, k0 > 0);
           }
         }
@@ -304,6 +337,33 @@ void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, in
     }
   }
 }
+
+// 12 independent chains of 8-wide FMAs, `iters` rounds, all in registers (the FMA peak's loop).
+void fma_chains_avx2(int64_t iters) {
+  asm volatile(
+      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
+      "vmovaps %%ymm0, %%ymm4\n\t" "vmovaps %%ymm0, %%ymm5\n\t" "vmovaps %%ymm0, %%ymm6\n\t"
+      "vmovaps %%ymm0, %%ymm7\n\t" "vmovaps %%ymm0, %%ymm8\n\t" "vmovaps %%ymm0, %%ymm9\n\t"
+      "vmovaps %%ymm0, %%ymm10\n\t" "vmovaps %%ymm0, %%ymm11\n\t" "vmovaps %%ymm0, %%ymm12\n\t"
+      "vmovaps %%ymm0, %%ymm13\n\t" "vmovaps %%ymm0, %%ymm14\n\t" "vmovaps %%ymm0, %%ymm15\n\t"
+      "1:\n\t"
+      "vfmadd231ps %%ymm0, %%ymm1, %%ymm4\n\t" "vfmadd231ps %%ymm0, %%ymm1, %%ymm5\n\t"
+      "vfmadd231ps %%ymm0, %%ymm1, %%ymm6\n\t" "vfmadd231ps %%ymm0, %%ymm1, %%ymm7\n\t"
+      "vfmadd231ps %%ymm0, %%ymm1, %%ymm8\n\t" "vfmadd231ps %%ymm0, %%ymm1, %%ymm9\n\t"
+      "vfmadd231ps %%ymm0, %%ymm1, %%ymm10\n\t" "vfmadd231ps %%ymm0, %%ymm1, %%ymm11\n\t"
+      "vfmadd231ps %%ymm0, %%ymm1, %%ymm12\n\t" "vfmadd231ps %%ymm0, %%ymm1, %%ymm13\n\t"
+      "vfmadd231ps %%ymm0, %%ymm1, %%ymm14\n\t" "vfmadd231ps %%ymm0, %%ymm1, %%ymm15\n\t"
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      : [n] "+r"(iters)
+      :
+      : "cc", "xmm0", "xmm1", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13",
+        "xmm14", "xmm15");
+}
+
+// Which tile float32 GEMMs run: AVX-512 where the CPU has it, unless gemm_f32_set_avx512(0).
+bool use_avx512 = avx512::supported();
 
 }  // namespace
 
@@ -331,7 +391,20 @@ void gemm_f32_pack(const float* w, int64_t n, int64_t k, float* out, int nthread
 // packed by gemm_f32_pack.
 void gemm_f32(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_packed, int64_t n, const float* bias,
               float* out, int64_t ldo, int nthreads) {
-  gemm(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  if (use_avx512)
+    gemm<Avx512Tile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  else
+    gemm<Avx2Tile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+}
+
+// The width of the float32 tile in use: 512 (AVX-512) or 256 (AVX2).
+int gemm_f32_vector_bits() { return use_avx512 ? 512 : 256; }
+
+// Chooses the float32 tile: 1 = AVX-512 if this CPU has it, 0 = AVX2 (for A/B runs and tests).
+// Returns the width now in use.
+int gemm_f32_set_avx512(int on) {
+  use_avx512 = on != 0 && avx512::supported();
+  return gemm_f32_vector_bits();
 }
 
 // Elements (bfloat16) of the packed form of an [n, k] bfloat16 weight: the same panels as float32.
@@ -357,16 +430,48 @@ void gemm_bf16_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int 
 void gemm_bf16(const void* x, int x_is_bf16, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
                const float* bias, float* out, int64_t ldo, int nthreads) {
   if (x_is_bf16)
-    gemm(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+    gemm<Avx2Tile>(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
   else
-    gemm(static_cast<const float*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+    gemm<Avx2Tile>(static_cast<const float*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
 
-// The FMA units' peak, GFLOP/s over `nthreads` threads: each thread runs 12 independent chains of
-// 8-wide FMAs (enough to cover the FMA latency on both units) from registers and times itself
-// after a barrier; the rates add up. Best of 3 tries of ~40 ms.
+// 1 when this CPU runs the k-pair bfloat16 functions below (AVX-512), else 0.
+int gemm_bf16kp_supported() { return avx512::supported() ? 1 : 0; }
+
+// Elements (bfloat16) of the k-pair packed form of an [n, k] bfloat16 weight: whole panels, k
+// rounded up to even.
+int64_t gemm_bf16kp_packed_size(int64_t n, int64_t k) { return (n + kNR - 1) / kNR * kNR * ((k + 1) / 2 * 2); }
+
+// w [n, k] bfloat16 (row-major) → out [ceil(n/16)][ceil(k/2)][16][2]: per panel and k pair, each
+// column's two k values side by side in a 32-bit lane (see the AVX-512 bfloat16 tile),
+// zero-padded past n and k. out 64-byte aligned.
+void gemm_bf16kp_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
+  const int64_t panels = (n + kNR - 1) / kNR, wk = (k + 1) / 2 * 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t kk = 0; kk < wk; ++kk)
+      for (int64_t j = 0; j < kNR; ++j) {
+        const int64_t col = p * kNR + j;
+        out[p * wk * kNR + kk / 2 * 2 * kNR + j * 2 + kk % 2] = col < n && kk < k ? w[col * k + kk] : 0;
+      }
+}
+
+// out[m, n] float32 = x[m, k] · Wᵀ + bias, W packed by gemm_bf16kp_pack, x bfloat16 (x_is_bf16 =
+// 1) or float32, bias float32 or null. Products and sums in float32.
+void gemm_bf16kp(const void* x, int x_is_bf16, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed,
+                 int64_t n, const float* bias, float* out, int64_t ldo, int nthreads) {
+  if (x_is_bf16)
+    gemm<Avx512Bf16Tile>(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  else
+    gemm<Avx512Bf16Tile>(static_cast<const float*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+}
+
+// The FMA units' peak, GFLOP/s over `nthreads` threads, at the width of the float32 tile in use:
+// each thread runs 12 independent chains of FMAs (enough to cover the FMA latency on both units)
+// from registers and times itself after a barrier; the rates add up. Best of 3 tries of ~40 ms.
 double fma_peak_gflops(int nthreads) {
   constexpr int64_t kIters = 10000000;
+  const bool wide = use_avx512;
   double best = 0;
   for (int attempt = 0; attempt < 3; ++attempt) {
     double total = 0;
@@ -374,34 +479,11 @@ double fma_peak_gflops(int nthreads) {
     {
 #pragma omp barrier
       const double t0 = omp_get_wtime();
-      int64_t n = kIters;
-      asm volatile(
-          "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
-          "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
-          "vmovaps %%ymm0, %%ymm4\n\t" "vmovaps %%ymm0, %%ymm5\n\t" "vmovaps %%ymm0, %%ymm6\n\t"
-          "vmovaps %%ymm0, %%ymm7\n\t" "vmovaps %%ymm0, %%ymm8\n\t" "vmovaps %%ymm0, %%ymm9\n\t"
-          "vmovaps %%ymm0, %%ymm10\n\t" "vmovaps %%ymm0, %%ymm11\n\t" "vmovaps %%ymm0, %%ymm12\n\t"
-          "vmovaps %%ymm0, %%ymm13\n\t" "vmovaps %%ymm0, %%ymm14\n\t" "vmovaps %%ymm0, %%ymm15\n\t"
-          "1:\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm4\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm5\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm6\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm7\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm8\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm9\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm10\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm11\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm12\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm13\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm14\n\t"
-          "vfmadd231ps %%ymm0, %%ymm1, %%ymm15\n\t"
-          "dec %[n]\n\t"
-          "jnz 1b\n\t"
-          : [n] "+r"(n)
-          :
-          : "cc", "xmm0", "xmm1", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
-            "xmm13", "xmm14", "xmm15");
-      total += static_cast<double>(kIters) * 12 * 16 / (omp_get_wtime() - t0) / 1e9;
+      if (wide)
+        avx512::fma_chains(kIters);
+      else
+        fma_chains_avx2(kIters);
+      total += static_cast<double>(kIters) * 12 * (wide ? 32 : 16) / (omp_get_wtime() - t0) / 1e9;
     }
     best = std::max(best, total);
   }
