@@ -14,6 +14,12 @@
 #include <immintrin.h>
 #define PS_HAVE_AVX2 1
 #endif
+// The library is built for the CPU it runs on (-march=native): where that has AVX-512 (F and DQ),
+// the decode row path uses 16-wide vectors for its dot products and P·V sums (head sizes that are
+// a multiple of 16).
+#if defined(PS_HAVE_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define PS_HAVE_AVX512 1
+#endif
 
 // Pins a loaded vector in a register. GCC otherwise folds a vector that several FMAs share into
 // each of them as a reloaded memory operand, which makes the inner loops load-bound.
@@ -64,6 +70,13 @@ inline __m256 load8(const uint16_t* p) {
   __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+#ifdef PS_HAVE_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
 
 // exp for arguments <= 0 (scores minus their running max): Cephes-style range reduction and a
 // degree-6 polynomial, about 1 ulp; inputs below -87 flush to ~1e-38, which the caller masks.

@@ -13,6 +13,8 @@
 // Two paths (AVX2+FMA, float32 and bfloat16 storage, head size a multiple of 8):
 //   paged_attention_rows.h   decodes and short chunks: each (query, head) row on its own
 //   paged_attention_tiled.h  prompt chunks: the rows of a kv head as small register-tiled products
+// Built for the CPU it runs on: with AVX-512, the rows' dot products and P·V sums and the tiles'
+// 16-key / 16-dim cases use 16-wide vectors (~1.1x on the workloads' shapes, cpu_attention_ab.py).
 // Other head sizes and CPUs take a scalar path with the rows structure. Plain C ABI, called
 // through ctypes, so it builds in a couple of seconds without torch's headers. The headers are
 // part of the build's cache key (model/native_build.py).
