@@ -285,7 +285,7 @@ struct Avx512Tile : TileShape<avx512::kMR, 1> {
 struct Avx512Bf16Tile : TileShape<avx512::kMR, 2> {
   static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
   static void product(const float* x, const uint16_t* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
-    avx512::tile_product_bf16(x, w, panel_stride, (kc + 1) / 2, np, tile);
+    avx512::tile_product(x, w, panel_stride, kc, np, tile);
   }
 };
 
