@@ -42,6 +42,14 @@ def variants(w: torch.Tensor, rows: int) -> dict:
     packed_native = cpu_gemm.pack_weight(w)
     n = w.shape[0]
     out = {"native": lambda x: cpu_gemm.linear(x, packed_native)}
+    if w.dtype == torch.bfloat16 and cpu_gemm.bf16_dot():  # the widening AVX-512 tile beside vdpbf16ps
+        def native_widen(x):
+            cpu_gemm.set_bf16_dot(False)
+            try:
+                return cpu_gemm.linear(x, packed_native)
+            finally:
+                cpu_gemm.set_bf16_dot(None)
+        out["native_widen"] = native_widen
     if w.dtype == torch.bfloat16 and cpu_gemm.bf16_k_pairs():  # the AVX2 tile beside the AVX-512 one
         interleaved = cpu_gemm.pack_weight(w, k_pairs=False)
         out["native_avx2"] = lambda x: cpu_gemm.linear(x, interleaved)

@@ -26,6 +26,23 @@ def threads(request):
 _AVX512 = cpu_gemm.vector_bits() == 512
 
 
+_DOT = cpu_gemm.bf16_k_pairs() and cpu_gemm.set_bf16_dot(True)  # this CPU has AVX512-BF16
+cpu_gemm.set_bf16_dot(None)
+
+
+@pytest.fixture(params=["dot", "widen", "avx2"])
+def bf16_tile(request):
+    """Runs bfloat16 GEMMs on one tile: vdpbf16ps or widening AVX-512 over k-pair panels, or
+    the AVX2 tile over interleaved ones; yields the k_pairs layout it takes."""
+    if request.param != "avx2" and not _AVX512:
+        pytest.skip("this CPU has no AVX-512")
+    if request.param == "dot" and not _DOT:
+        pytest.skip("this CPU has no AVX512-BF16")
+    cpu_gemm.set_bf16_dot(request.param == "dot")
+    yield request.param != "avx2"
+    cpu_gemm.set_bf16_dot(None)
+
+
 @pytest.fixture(params=["avx512", "avx2"])
 def tile(request):
     """Runs float32 GEMMs on one tile, and packs bfloat16 weights for it (k_pairs)."""
@@ -63,7 +80,8 @@ def _float32_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
 # exact sum, plus float32 summation error. A wrongly interleaved column or lane is off by O(1).
 @pytest.mark.parametrize("m", [1, 7, 9, 64, 1031])
 @pytest.mark.parametrize("k,n", [(1, 16), (3, 17), (37, 40), (5, 130), (1101, 33), (2300, 48)])
-def test_bf16_linear_is_float32_sums_rounded_once(threads, tile, m, k, n):
+def test_bf16_linear_is_float32_sums_rounded_once(threads, bf16_tile, m, k, n):
+    tile = bf16_tile
     g = torch.Generator().manual_seed(m * 5 + k + n)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
@@ -125,6 +143,7 @@ def test_pack_linears_takes_bf16_linears_only_without_amx(monkeypatch):
 def restore_avx512():
     yield
     cpu_gemm.set_avx512(True)  # PAGEDSERVE_CPU_GEMM=avx2 switches the float32 tile for the process
+    cpu_gemm.set_bf16_dot(None)
 
 
 @pytest.mark.parametrize("gemm", ["native", "avx2", "onednn", "torch"])
@@ -148,19 +167,22 @@ def test_engine_greedy_matches_transformers_on_each_linear_path(llama_dir, monke
         assert o.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(p), 8)
 
 
-@pytest.mark.parametrize("gemm", ["native", "avx2"])
+@pytest.mark.parametrize("gemm", ["dot", "widen", "avx2"])
 def test_engine_bf16_on_native_gemm_tracks_transformers_bf16(llama_dir, monkeypatch, restore_avx512, gemm):
     # bfloat16 rounds differently in every engine, so greedy paths of a random-weight model (flat
     # logits, many near-ties) may part; what must hold is that every token we pick is one
     # transformers bfloat16 also rates (near-)top, with about the logprob it gives it.
-    if gemm == "native" and not _AVX512:
+    if gemm != "avx2" and not _AVX512:
         pytest.skip("the same as avx2 on a CPU without AVX-512")
+    if gemm == "dot" and not _DOT:
+        pytest.skip("the same as widen on a CPU without AVX512-BF16")
+    assert cpu_gemm.set_bf16_dot(gemm == "dot") == (gemm == "dot")
     monkeypatch.setattr(cpu_gemm, "amx", lambda: False)  # with AMX, bf16 layers stay torch's
-    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", gemm)
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "avx2" if gemm == "avx2" else "native")
     prompts = random_prompts(3, 300, [6, 45, 120], seed=5)
     llm = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256)
     natives = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, cpu_gemm.NativeLinear)]
-    assert natives and all(m.packed.dtype == torch.bfloat16 and m.packed.k_pairs == (gemm == "native")
+    assert natives and all(m.packed.dtype == torch.bfloat16 and m.packed.k_pairs == (gemm != "avx2")
                            for m in natives)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
     for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp)):

@@ -12,7 +12,9 @@ bfloat16 weights stay bfloat16 in their panels (half the bytes) and are widened 
 the kernel; products and sums are float32 and the output is rounded to bfloat16 once. Where the
 CPU has no AMX this beats torch's bfloat16 linear: AVX2-only CPUs run that through an emulated
 path at a few GFLOP/s, 20× slower; AVX512-BF16 Xeons run oneDNN's vdpbf16ps GEMM at ~0.75× our
-widening AVX-512 tile (their vdpbf16ps issues at half the float32 FMA's rate).
+widening AVX-512 tile (their vdpbf16ps issues at half the float32 FMA's rate). Where vdpbf16ps
+issues as often as an FMA (AMD Zen 4, found by a probe in the library) bfloat16 activations go
+to a vdpbf16ps tile instead, 1.6-1.7× the widening one there (`bf16_dot()`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS, "libpagedser
     "gemm_bf16kp": (None, [_P, _N, _I, _I, _I, _P, _I, _P, _P, _I, _N]),
     "gemm_f32_vector_bits": (_N, []),
     "gemm_f32_set_avx512": (_N, [_N]),
+    "gemm_bf16kp_set_dot": (_N, [_N]),
+    "gemm_bf16kp_dot": (_N, []),
 }, "native CPU GEMM", "using oneDNN / torch linear")
 
 
@@ -84,6 +88,19 @@ def bf16_k_pairs() -> bool:
     one (interleaved columns): where the CPU has AVX-512, unless PAGEDSERVE_CPU_GEMM=avx2."""
     lib = _native.load()
     return lib is not None and bool(lib.gemm_bf16kp_supported()) and os.environ.get("PAGEDSERVE_CPU_GEMM") != "avx2"
+
+
+def bf16_dot() -> bool:
+    """Whether bfloat16 GEMMs on k-pair panels with bfloat16 activations run the vdpbf16ps tile
+    (AVX512-BF16, where the library's probe finds it faster than widening: AMD Zen 4) rather
+    than widening the weights to float32 FMAs."""
+    return bf16_k_pairs() and bool(_native.lib.gemm_bf16kp_dot())
+
+
+def set_bf16_dot(mode: bool | None) -> bool:
+    """Forces the vdpbf16ps tile on (True, where the CPU has it) or off (False), or back to the
+    probe's choice (None); returns whether it is now in use. For A/B runs and tests."""
+    return bool(_native.load().gemm_bf16kp_set_dot(-1 if mode is None else int(mode)))
 
 
 def fast_dtypes() -> tuple[torch.dtype, ...]:

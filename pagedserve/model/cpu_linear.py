@@ -4,7 +4,8 @@ torch's default `linear` on the CPU re-lays the weight out for the GEMM kernel o
 prepacked paths replace it, the first that works on this machine:
   1. our own GEMM (model/cpu_gemm.py; AVX2 or AVX-512 tiles), 1.1-1.3× oneDNN's rate on the
      decoder's float32 shapes on AVX2 CPUs, about its rate on AVX-512 ones; for bfloat16
-     weights ~9× torch's linear on AVX2-only CPUs and ~1.3× on AVX512-BF16 Xeons without AMX;
+     weights ~9× torch's linear on AVX2-only CPUs and ~1.3× on AVX512-BF16 Xeons without AMX,
+     and on AMD Zen 4 a vdpbf16ps tile at ~0.85-1.1× oneDNN's bfloat16 rate;
   2. oneDNN with the weight reordered once into its blocked format (torch's own ops, the ones
      torch.compile's freezing pass emits), ~1.4× torch's plain `linear` on the decode shapes.
      float32 only. On CPUs with AMX, bfloat16 layers stay torch's `linear`, whose oneDNN GEMM

@@ -289,6 +289,25 @@ struct Avx512Bf16Tile : TileShape<avx512::kMR, 2> {
   }
 };
 
+// The vdpbf16ps tile: x packed as bfloat16 pairs, a 32-bit word (k even in the low half, as in
+// the W lanes) per row and k pair, [ceil(kc/2)][8] words in the float-sized slots of the x block.
+struct Avx512DotTile : TileShape<avx512::kMR, 2> {
+  static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
+  static int64_t x_panel_elems(int64_t kc) { return kMR * w_k(kc) / 2; }
+  static void pack_x(const uint16_t* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
+    uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
+    for (int64_t kp = 0; kp < w_k(kc) / 2; ++kp)
+      for (int64_t r = 0; r < kMR; ++r) {
+        const uint16_t* xr = x + r * ldx + 2 * kp;
+        const uint32_t lo = r < rows && 2 * kp < kc ? xr[0] : 0, hi = r < rows && 2 * kp + 1 < kc ? xr[1] : 0;
+        pairs[kp * kMR + r] = lo | hi << 16;
+      }
+  }
+  static void product(const float* x, const uint16_t* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
+    avx512::tile_product_dot(reinterpret_cast<const uint32_t*>(x), w, panel_stride, kc, np, tile);
+  }
+};
+
 // out[m, n] (row stride ldo) = x[m, k] (row stride ldx) · Wᵀ + bias (bias may be null), with W
 // packed by gemm_f32_pack (WT = float) or gemm_bf16_pack (WT = uint16_t, bfloat16 bits); x is
 // float32 or bfloat16 (XT); sums and out are float32.
@@ -364,6 +383,34 @@ void fma_chains_avx2(int64_t iters) {
 
 // Which tile float32 GEMMs run: AVX-512 where the CPU has it, unless gemm_f32_set_avx512(0).
 bool use_avx512 = avx512::supported();
+
+// Whether vdpbf16ps outruns float32 FMAs on this core by enough to pay for its tile: one thread
+// times the two register loops alternately, ~3 ms each, best of 3. The ratio is ~2 on AMD Zen 4
+// and ~0.5 on the AVX512-BF16 Xeons measured, so the 1.3 threshold is far from both.
+bool bf16_dot_is_faster() {
+  if (!avx512::dot_supported()) return false;
+  constexpr int64_t kIters = 100000;
+  double dot = 1e30, fma = 1e30;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    double t0 = omp_get_wtime();
+    avx512::dot_chains(kIters);
+    double t1 = omp_get_wtime();
+    avx512::fma_chains(kIters);
+    double t2 = omp_get_wtime();
+    dot = std::min(dot, t1 - t0);
+    fma = std::min(fma, t2 - t1);
+  }
+  return fma / dot * 2 > 1.3;  // a dot does twice the FLOPs of an FMA
+}
+
+// Whether k-pair bfloat16 GEMMs with bfloat16 x run the vdpbf16ps tile: as gemm_bf16kp_set_dot
+// forced it (0 / 1), else as the probe found on the first call (run once).
+int forced_bf16_dot = -1, probed_bf16_dot = -1;
+bool bf16_dot() {
+  if (forced_bf16_dot >= 0) return forced_bf16_dot == 1;
+  if (probed_bf16_dot < 0) probed_bf16_dot = bf16_dot_is_faster() ? 1 : 0;
+  return probed_bf16_dot == 1;
+}
 
 }  // namespace
 
@@ -460,11 +507,24 @@ void gemm_bf16kp_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, in
 // 1) or float32, bias float32 or null. Products and sums in float32.
 void gemm_bf16kp(const void* x, int x_is_bf16, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed,
                  int64_t n, const float* bias, float* out, int64_t ldo, int nthreads) {
-  if (x_is_bf16)
+  if (x_is_bf16 && bf16_dot())
+    gemm<Avx512DotTile>(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  else if (x_is_bf16)
     gemm<Avx512Bf16Tile>(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
   else
     gemm<Avx512Bf16Tile>(static_cast<const float*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
+
+// Which tile k-pair GEMMs with bfloat16 x run: 1 = vdpbf16ps (where the CPU has AVX512-BF16), 0 =
+// widening to float32 FMAs, -1 = whichever the probe finds faster (the default). Returns 1 when
+// the vdpbf16ps tile is now in use. For A/B runs and tests.
+int gemm_bf16kp_set_dot(int mode) {
+  forced_bf16_dot = mode < 0 ? -1 : mode > 0 && avx512::dot_supported() ? 1 : 0;
+  return bf16_dot() ? 1 : 0;
+}
+
+// 1 when k-pair GEMMs with bfloat16 x run the vdpbf16ps tile, else 0.
+int gemm_bf16kp_dot() { return bf16_dot() ? 1 : 0; }
 
 // The FMA units' peak, GFLOP/s over `nthreads` threads, at the width of the float32 tile in use:
 // each thread runs 12 independent chains of FMAs (enough to cover the FMA latency on both units)

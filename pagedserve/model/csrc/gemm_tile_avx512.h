@@ -27,10 +27,10 @@ constexpr int64_t kCols = kPanels * 16;
 // lanes left by 16 gives the k row as float32, masking off the low halves the k + 1 row. One
 // integer op per 16 widened columns, 24 FMAs per 3; the weights are half the bytes.
 //
-// Why not vdpbf16ps (AVX512-BF16), which multiplies the pairs directly: on the Xeons measured
-// here it issues once per two cycles, against two float32 FMAs per cycle (benchmarks/
-// cpu_gemm_ab.py: 80 vs 166 GFLOP/s per core), and oneDNN's bfloat16 GEMM, which uses it,
-// runs at ~0.75× this tile there.
+// Why widen rather than use vdpbf16ps (AVX512-BF16), which multiplies the pairs directly: on the
+// Xeons measured here it issues once per two cycles, against two float32 FMAs per cycle (80 vs 166
+// GFLOP/s per core), and oneDNN's bfloat16 GEMM, which uses it, runs at ~0.75× this tile there.
+// Where vdpbf16ps is the faster one, tile_product_dot below runs instead; float32 x always widens.
 template <typename WT>
 struct PanelRows;
 template <>
@@ -93,6 +93,80 @@ inline void tile_product(const float* x, const WT* w, int64_t panel_stride, int6
   else
     tile_product_np<1>(x, w, panel_stride, kc, tile);
 }
+
+// The same tile over k-pair bfloat16 panels with bfloat16 x, on vdpbf16ps (AVX512-BF16): each
+// instruction multiplies 16 lanes of (k, k + 1) pairs and adds both products to a float32 lane,
+// twice the FLOPs of an FMA. Where it issues as often as an FMA (AMD Zen 4: 228 vs 115 GFLOP/s
+// per core in a register loop) that doubles the tile's rate; where it issues half as often (the
+// Xeons above) it only ties the widening tile, so the library probes which is faster
+// (gemm_cpu.cpp, bf16_dot_is_faster). x comes packed as bfloat16 pairs, one 32-bit word per row
+// and k pair ([kc/2][8]), broadcast straight from memory into each instruction.
+// tile[8][48] (columns past np × 16 untouched) = x pairs [ceil(kc/2)][8] · np k-pair W panel
+// slices, panel j at w + j × panel_stride. Products exact, sums float32 (denormals flushed).
+template <int NP>
+__attribute__((target("avx512f,avx512bf16"))) void tile_product_dot_np(const uint32_t* x, const uint16_t* w,
+                                                                      int64_t panel_stride, int64_t kc, float* tile) {
+  __m512 acc[kMR][NP];
+#pragma GCC unroll 8
+  for (int r = 0; r < kMR; ++r)
+#pragma GCC unroll 3
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t step = 0; step < (kc + 1) / 2; ++step) {
+    __m512bh b[NP];
+#pragma GCC unroll 3
+    for (int j = 0; j < NP; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_stride + step * 32);
+    const uint32_t* xk = x + step * kMR;
+#pragma GCC unroll 8
+    for (int r = 0; r < kMR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[r]));
+#pragma GCC unroll 3
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kMR; ++r)
+#pragma GCC unroll 3
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(tile + r * kCols + j * 16, acc[r][j]);
+}
+
+inline void tile_product_dot(const uint32_t* x, const uint16_t* w, int64_t panel_stride, int64_t kc, int np,
+                             float* tile) {
+  if (np == 3)
+    tile_product_dot_np<3>(x, w, panel_stride, kc, tile);
+  else if (np == 2)
+    tile_product_dot_np<2>(x, w, panel_stride, kc, tile);
+  else
+    tile_product_dot_np<1>(x, w, panel_stride, kc, tile);
+}
+
+// 12 independent chains of vdpbf16ps, `iters` rounds, in registers: the probe's loop (assembly
+// for the same reason as fma_chains below).
+__attribute__((target("avx512f,avx512bf16"))) inline void dot_chains(int64_t iters) {
+  asm volatile(
+      "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
+      "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"
+      "vmovaps %%zmm0, %%zmm4\n\t" "vmovaps %%zmm0, %%zmm5\n\t" "vmovaps %%zmm0, %%zmm6\n\t"
+      "vmovaps %%zmm0, %%zmm7\n\t" "vmovaps %%zmm0, %%zmm8\n\t" "vmovaps %%zmm0, %%zmm9\n\t"
+      "vmovaps %%zmm0, %%zmm10\n\t" "vmovaps %%zmm0, %%zmm11\n\t" "vmovaps %%zmm0, %%zmm12\n\t"
+      "vmovaps %%zmm0, %%zmm13\n\t" "vmovaps %%zmm0, %%zmm14\n\t" "vmovaps %%zmm0, %%zmm15\n\t"
+      "1:\n\t"
+      "vdpbf16ps %%zmm0, %%zmm1, %%zmm4\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm5\n\t"
+      "vdpbf16ps %%zmm0, %%zmm1, %%zmm6\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm7\n\t"
+      "vdpbf16ps %%zmm0, %%zmm1, %%zmm8\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm9\n\t"
+      "vdpbf16ps %%zmm0, %%zmm1, %%zmm10\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm11\n\t"
+      "vdpbf16ps %%zmm0, %%zmm1, %%zmm12\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm13\n\t"
+      "vdpbf16ps %%zmm0, %%zmm1, %%zmm14\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm15\n\t"
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      "vzeroupper\n\t"
+      : [n] "+r"(iters)
+      :
+      : "cc", "xmm0", "xmm1", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13",
+        "xmm14", "xmm15");
+}
+
+inline bool dot_supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
 
 // 12 independent chains of 16-wide FMAs, `iters` rounds, in registers (the FMA peak's loop). In
 // assembly: written with intrinsics, GCC folds the identical chains into one.
