@@ -55,6 +55,56 @@ def test_rope_writes_the_cache_bit_for_bit_as_the_torch_path():
     assert (k_cache[untouched] == 7).all() and (v_cache[untouched] == 7).all()
 
 
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart a and b are (same-sign values; for the tests below)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+# bfloat16: every op rounds where torch's bfloat16 op would, so the results are torch's own bits,
+# except where the sum of squares (summed in another order) or our exp differ in the last bit
+# before a rounding: then one bfloat16 step, rarely.
+@pytest.mark.parametrize("hidden", [512, 100, 7])
+def test_rms_norm_bf16_rounds_as_torch(hidden):
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(hidden, 1e-5, dtype=torch.bfloat16)
+    norm.weight.data = torch.randn(hidden, generator=g).bfloat16()
+    x = (torch.randn(41, hidden, generator=g) * 3).bfloat16()
+    res = torch.randn(41, hidden, generator=g).bfloat16()
+    got, want = norm.fused(x), norm(x)
+    assert got.dtype == torch.bfloat16 and _bf16_ulps(got, want).max() <= 1
+    assert (got == want).float().mean() > 0.99
+    want_sum = res + x
+    got = norm.fused(x, res)
+    assert torch.equal(res, want_sum)
+    assert _bf16_ulps(got, norm(want_sum)).max() <= 1 and (got == norm(want_sum)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("inter", [1536, 13])
+def test_silu_mul_bf16_rounds_as_torch(inter):
+    gu = (torch.randn(300, 2 * inter, generator=torch.Generator().manual_seed(5)) * 6).bfloat16()
+    gate, up = gu.split(inter, dim=-1)
+    got, want = cpu_fused.silu_mul(gu), F.silu(gate) * up
+    assert got.dtype == torch.bfloat16
+    assert _bf16_ulps(got, want).max() <= 1 and (got == want).float().mean() > 0.99
+
+
+def test_rope_bf16_writes_the_cache_bit_for_bit_as_the_torch_path():
+    g = torch.Generator().manual_seed(6)
+    t, h, kvh, d, slots = 11, 4, 2, 64, 40
+    rope = RotaryEmbedding(d, 2048, 10000.0, None)
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).bfloat16()
+    positions = torch.tensor([0, 1, 2, 50, 51, 127, 3, 4, 5, 1000, 2047])
+    slot_mapping = torch.randperm(slots, generator=g)[:t]
+    k_cache = torch.zeros((slots, kvh, d), dtype=torch.bfloat16)
+    v_cache = torch.zeros((slots, kvh, d), dtype=torch.bfloat16)
+    q = cpu_fused.rope_qkv(qkv, positions, rope.cos, rope.sin, slot_mapping, k_cache, v_cache, h, kvh, d)
+    q_ref, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q_want, k_want = rope(positions, q_ref.reshape(t, h, d), k.reshape(t, kvh, d))
+    assert q.dtype == torch.bfloat16 and torch.equal(q, q_want)
+    assert torch.equal(k_cache[slot_mapping], k_want)
+    assert torch.equal(v_cache[slot_mapping], v.reshape(t, kvh, d))
+
+
 def test_argmax_first_on_ties_and_nan_largest():
     x = torch.randn(6, 1003, generator=torch.Generator().manual_seed(3))
     x[1, 10] = x[1, 900] = 50.0  # tie: the first wins
@@ -78,3 +128,21 @@ def test_engine_greedy_same_with_and_without_fused_ops(llama_dir, monkeypatch):
     b = LLM(model=str(llama_dir), num_gpu_blocks_override=256).generate(reqs, sp)
     for p, x, y in zip(prompts, a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(p), 8)
+
+
+def test_engine_bf16_close_with_and_without_fused_ops(llama_dir, monkeypatch):
+    # bfloat16 engines round differently wherever an op's order differs, so greedy paths may part
+    # on a near-tie; the first token's logprobs (same prompt, same weights) must agree closely
+    prompts = random_prompts(4, 300, [3, 33, 90, 150], seed=7)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=5)
+    fused = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256)
+    assert cpu_fused.usable(torch.zeros(1, dtype=torch.bfloat16))
+    a = fused.generate(reqs, sp)
+    monkeypatch.setattr(cpu_fused, "usable", lambda x: False)
+    b = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256).generate(reqs, sp)
+    for x, y in zip(a, b):
+        lx, ly = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        for tok in set(lx) & set(ly):
+            assert abs(lx[tok].logprob - ly[tok].logprob) < 0.1
+        assert len(set(lx) & set(ly)) >= 3

@@ -46,6 +46,8 @@ _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS, "libpagedser
     "gemm_f32_set_avx512": (_N, [_N]),
     "gemm_bf16kp_set_dot": (_N, [_N]),
     "gemm_bf16kp_dot": (_N, []),
+    "gemm_bf16kp_bf16out_takes": (_N, [_I]),
+    "gemm_bf16kp_bf16out": (None, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _N]),
 }, "native CPU GEMM", "using oneDNN / torch linear")
 
 
@@ -152,8 +154,15 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
         x2 = x2.to(torch.bfloat16 if bf16_w and x2.dtype == torch.bfloat16 else torch.float32).contiguous()
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
-    out = torch.empty((m, out_features), dtype=torch.float32)
     b = bias.data_ptr() if bias is not None else None
+    lib = _native.lib
+    if packed.k_pairs and x2.dtype == torch.bfloat16 and lib.gemm_bf16kp_bf16out_takes(k):
+        # rounded to bfloat16 as each tile is stored: no float32 out to write and convert
+        out = torch.empty((m, out_features), dtype=torch.bfloat16)
+        lib.gemm_bf16kp_bf16out(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
+                                out.data_ptr(), out_features, torch.get_num_threads())
+        return out.view(*x.shape[:-1], out_features)
+    out = torch.empty((m, out_features), dtype=torch.float32)
     if bf16_w:
         fn = _native.lib.gemm_bf16kp if packed.k_pairs else _native.lib.gemm_bf16
         fn(x2.data_ptr(), int(x2.dtype == torch.bfloat16), x2.stride(0), m, k, packed.panels.data_ptr(),

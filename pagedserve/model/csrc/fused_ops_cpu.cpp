@@ -1,4 +1,4 @@
-// Fused float32 element-wise ops of the decoder layer, for the CPU.
+// Fused element-wise ops of the decoder layer, for the CPU, on float32 or bfloat16 tensors.
 //
 // torch runs RMSNorm as ~6 ops, rotary embedding as ~14 and SiLU·mul as 3, each a full pass over
 // its tensor plus an op dispatch and an OpenMP region; at a 256-sequence decode step that overhead
@@ -7,11 +7,16 @@
 // Built with -ffp-contract=off: every product and sum is rounded as torch rounds it (no fused
 // multiply-adds), so rotary embedding and the KV cache contents are bit-identical to the torch
 // path. RMSNorm's sum of squares is summed in a different order (a last-bit difference at most).
+// bfloat16 tensors are computed in float32 and rounded to bfloat16 (nearest-even) wherever torch's
+// bfloat16 ops round: after each op of the reference (transformers) expression, not once at the
+// end, so the fused result is the one torch computes.
 // Plain C ABI, called through ctypes (see model/cpu_fused.py).
 #include <omp.h>
 #include <stdint.h>
 
+#include <array>
 #include <cmath>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -19,6 +24,30 @@
 #endif
 
 namespace {
+
+// Storage types: float32, and bfloat16 as its bits (the high half of a float32).
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+}
+// v rounded to bfloat16 (nearest, ties to even; NaN stays a quiet NaN), as torch's conversion
+inline uint16_t to_bf16(float v) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  if (std::isnan(v)) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) { *p = to_bf16(v); }
+// v as the storage type T would hold it: rounds to bfloat16 between ops of a bfloat16 expression
+template <typename T>
+inline float round_to(float v) {
+  if constexpr (sizeof(T) == 2) return load(std::array<uint16_t, 1>{to_bf16(v)}.data());
+  return v;
+}
 
 // Parallelise only when a call has enough work to pay for waking the other threads.
 constexpr int64_t kMinParallelElems = 1 << 15;
@@ -63,76 +92,152 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-}  // namespace
-
-extern "C" {
-
 // residual (optional, may be null): residual[t] += x[t] first, and the norm is taken of the sum.
 // out[t] = weight * (h * 1/sqrt(mean(h^2) + eps)), h = the (updated) residual or x; [T, H] rows
-// `x_stride` / `out_stride` floats apart (residual rows are contiguous).
-void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float* weight, float* out,
-                  int64_t out_stride, int64_t T, int64_t H, float eps, int nthreads) {
-#pragma omp parallel for num_threads(threads_for(T * H, nthreads)) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xr = x + t * x_stride;
-    const float* h = xr;
-    if (residual != nullptr) {
-      float* r = residual + t * H;
-      for (int64_t i = 0; i < H; ++i) r[i] = r[i] + xr[i];
-      h = r;
+// `x_stride` / `out_stride` elements apart (residual rows are contiguous). bfloat16: the sum, the
+// normalised h and the product with the weight are each rounded, as in transformers' RMSNorm.
+template <typename T>
+void rms_norm(const T* x, int64_t x_stride, T* residual, const T* weight, T* out, int64_t out_stride, int64_t T_,
+              int64_t H, float eps, int nthreads) {
+#pragma omp parallel num_threads(threads_for(T_ * H, nthreads))
+  {
+    std::vector<float> row(sizeof(T) == 2 ? H : 0);  // a bfloat16 row widened, for the sum of squares
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T_; ++t) {
+      const T* xr = x + t * x_stride;
+      const T* h = xr;
+      if (residual != nullptr) {
+        T* r = residual + t * H;
+        for (int64_t i = 0; i < H; ++i) store(r + i, load(r + i) + load(xr + i));
+        h = r;
+      }
+      const float* hf;
+      if constexpr (sizeof(T) == 2) {
+        for (int64_t i = 0; i < H; ++i) row[i] = load(h + i);
+        hf = row.data();
+      } else {
+        hf = h;
+      }
+      const float inv = 1.f / std::sqrt(sum_squares(hf, H) / static_cast<float>(H) + eps);
+      T* o = out + t * out_stride;
+      for (int64_t i = 0; i < H; ++i) store(o + i, load(weight + i) * round_to<T>(hf[i] * inv));
     }
-    const float inv = 1.f / std::sqrt(sum_squares(h, H) / static_cast<float>(H) + eps);
-    float* o = out + t * out_stride;
-    for (int64_t i = 0; i < H; ++i) o[i] = weight[i] * (h[i] * inv);
   }
 }
 
-// out[t, i] = silu(gu[t, i]) * gu[t, I + i] for the fused gate/up projection output [T, 2I].
-void silu_mul_f32(const float* gu, float* out, int64_t T, int64_t I, int nthreads) {
-#pragma omp parallel for num_threads(threads_for(T * I, nthreads)) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* g = gu + t * 2 * I;
-    const float* u = g + I;
-    float* o = out + t * I;
+// out[t, i] = silu(gu[t, i]) * gu[t, I + i] for the fused gate/up projection output [T, 2I]
+// (bfloat16: silu rounded, then the product).
+#ifdef PS_HAVE_AVX2
+inline __m256 silu8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+// 8 bfloat16 ↔ float32 lanes, rounding to nearest even (NaN → quiet NaN) as to_bf16
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+inline __m256 round8_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i r = bf16_bits8(v);  // 8 × 32-bit lanes, each < 65536
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+#endif
+
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t T_, int64_t I, int nthreads) {
+#pragma omp parallel for num_threads(threads_for(T_ * I, nthreads)) schedule(static)
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* g = gu + t * 2 * I;
+    const T* u = g + I;
+    T* o = out + t * I;
     int64_t i = 0;
 #ifdef PS_HAVE_AVX2
-    const __m256 one = _mm256_set1_ps(1.f);
     for (; i + 8 <= I; i += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+      __m256 s = silu8(load8(g + i));
+      if constexpr (sizeof(T) == 2) s = round8_bf16(s);
+      store8(o + i, _mm256_mul_ps(s, load8(u + i)));
     }
 #endif
-    for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    for (; i < I; ++i) {
+      const float gv = load(g + i);
+      store(o + i, round_to<T>(gv / (1.f + std::exp(-gv))) * load(u + i));
+    }
   }
 }
 
 // Rotary embedding (rotate-half form) of the fused q/k/v projection output qkv [T, (H + 2 KVH) * D]
-// at `positions`, with cos/sin tables [max_pos, D]: q rotated into q_out [T, H, D]; k rotated and v
-// copied into the paged caches at `slots` (cache rows [num_slots, KVH, D]). One pass instead of
-// the rotation ops plus two index_copy_ calls.
+// at `positions`, with cos/sin tables [max_pos, D] (float32): q rotated into q_out [T, H, D]; k
+// rotated and v copied into the paged caches at `slots` (cache rows [num_slots, KVH, D]). One pass
+// instead of the rotation ops plus two index_copy_ calls. bfloat16: the tables are rounded to
+// bfloat16 and each product and the sum rounded, as transformers' bfloat16 rotation does.
+template <typename T>
+void rope_qkv(const T* qkv, const int64_t* positions, const float* cos_t, const float* sin_t, const int64_t* slots,
+              T* q_out, T* k_cache, T* v_cache, int64_t T_, int64_t H, int64_t KVH, int64_t D, int nthreads) {
+  const int64_t half = D / 2, W = (H + 2 * KVH) * D;
+#pragma omp parallel num_threads(threads_for(T_ * W, nthreads))
+  {
+    std::vector<float> cs(2 * D);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T_; ++t) {
+      const T* row = qkv + t * W;
+      for (int64_t i = 0; i < D; ++i) {
+        cs[i] = round_to<T>(cos_t[positions[t] * D + i]);
+        cs[D + i] = round_to<T>(sin_t[positions[t] * D + i]);
+      }
+      const float* c = cs.data();
+      const float* s = c + D;
+      T* kdst = k_cache + slots[t] * KVH * D;
+      T* vdst = v_cache + slots[t] * KVH * D;
+      for (int64_t h = 0; h < H + KVH; ++h) {
+        const T* x = row + h * D;
+        T* o = h < H ? q_out + (t * H + h) * D : kdst + (h - H) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float lo = load(x + i), hi = load(x + i + half);
+          store(o + i, round_to<T>(lo * c[i]) + round_to<T>(-hi * s[i]));
+          store(o + i + half, round_to<T>(hi * c[i + half]) + round_to<T>(lo * s[i + half]));
+        }
+      }
+      const T* v = row + (H + KVH) * D;
+      for (int64_t i = 0; i < KVH * D; ++i) vdst[i] = v[i];
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void rms_norm_f32(const float* x, int64_t x_stride, float* residual, const float* weight, float* out,
+                  int64_t out_stride, int64_t T, int64_t H, float eps, int nthreads) {
+  rms_norm(x, x_stride, residual, weight, out, out_stride, T, H, eps, nthreads);
+}
+void rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual, const uint16_t* weight, uint16_t* out,
+                   int64_t out_stride, int64_t T, int64_t H, float eps, int nthreads) {
+  rms_norm(x, x_stride, residual, weight, out, out_stride, T, H, eps, nthreads);
+}
+void silu_mul_f32(const float* gu, float* out, int64_t T, int64_t I, int nthreads) { silu_mul(gu, out, T, I, nthreads); }
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t T, int64_t I, int nthreads) {
+  silu_mul(gu, out, T, I, nthreads);
+}
 void rope_qkv_f32(const float* qkv, const int64_t* positions, const float* cos_t, const float* sin_t,
                   const int64_t* slots, float* q_out, float* k_cache, float* v_cache, int64_t T, int64_t H,
                   int64_t KVH, int64_t D, int nthreads) {
-  const int64_t half = D / 2, W = (H + 2 * KVH) * D;
-#pragma omp parallel for num_threads(threads_for(T * W, nthreads)) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = qkv + t * W;
-    const float* c = cos_t + positions[t] * D;
-    const float* s = sin_t + positions[t] * D;
-    float* kdst = k_cache + slots[t] * KVH * D;
-    float* vdst = v_cache + slots[t] * KVH * D;
-    for (int64_t h = 0; h < H + KVH; ++h) {
-      const float* x = row + h * D;
-      float* o = h < H ? q_out + (t * H + h) * D : kdst + (h - H) * D;
-      for (int64_t i = 0; i < half; ++i) {
-        o[i] = x[i] * c[i] - x[i + half] * s[i];
-        o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-      }
-    }
-    const float* v = row + (H + KVH) * D;
-    for (int64_t i = 0; i < KVH * D; ++i) vdst[i] = v[i];
-  }
+  rope_qkv(qkv, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, T, H, KVH, D, nthreads);
+}
+void rope_qkv_bf16(const uint16_t* qkv, const int64_t* positions, const float* cos_t, const float* sin_t,
+                   const int64_t* slots, uint16_t* q_out, uint16_t* k_cache, uint16_t* v_cache, int64_t T, int64_t H,
+                   int64_t KVH, int64_t D, int nthreads) {
+  rope_qkv(qkv, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, T, H, KVH, D, nthreads);
 }
 
 // Index of the largest value of each row of x [R, V], the first one on ties; a NaN counts as the

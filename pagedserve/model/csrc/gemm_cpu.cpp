@@ -226,6 +226,32 @@ void store_tile(const float* tile, int64_t ld_tile, float* out, int64_t ldo, int
   }
 }
 
+// The same for a bfloat16 out (one k block only: nothing to accumulate), each value rounded to
+// nearest even as torch rounds float32 to bfloat16 (NaN → a quiet NaN).
+void store_tile(const float* tile, int64_t ld_tile, uint16_t* out, int64_t ldo, int64_t rows, int64_t cols,
+                const float* bias, bool /*accumulate*/) {
+  for (int64_t c = 0; c < cols; c += 8) {
+    const int64_t n = std::min<int64_t>(8, cols - c);
+    const __m256 b = bias != nullptr ? _mm256_maskload_ps(bias + c, first_lanes(n)) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 v = _mm256_add_ps(_mm256_load_ps(tile + r * ld_tile + c), b);
+      const __m256i bits = _mm256_castps_si256(v);
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+      __m256i h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+      h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      uint16_t* o = out + r * ldo + c;
+      if (n == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
+      } else {
+        alignas(16) uint16_t lanes[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(lanes), packed);
+        for (int64_t j = 0; j < n; ++j) o[j] = lanes[j];
+      }
+    }
+  }
+}
+
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t bf16) {  // bfloat16 is the high half of a float32
   uint32_t bits = static_cast<uint32_t>(bf16) << 16;
@@ -310,10 +336,11 @@ struct Avx512DotTile : TileShape<avx512::kMR, 2> {
 
 // out[m, n] (row stride ldo) = x[m, k] (row stride ldx) · Wᵀ + bias (bias may be null), with W
 // packed by gemm_f32_pack (WT = float) or gemm_bf16_pack (WT = uint16_t, bfloat16 bits); x is
-// float32 or bfloat16 (XT); sums and out are float32.
-template <typename Tile, typename XT, typename WT>
+// float32 or bfloat16 (XT); sums are float32, out float32 or (OT = uint16_t, only where k fits
+// one k block) bfloat16.
+template <typename Tile, typename XT, typename WT, typename OT>
 void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, int64_t n, const float* bias,
-          float* out, int64_t ldo, int nthreads) {
+          OT* out, int64_t ldo, int nthreads) {
   if (m <= 0 || n <= 0) return;
   constexpr int64_t MR = Tile::kMR;
   const int64_t panels = (n + kNR - 1) / kNR, groups = (panels + Tile::kPanels - 1) / Tile::kPanels;
@@ -322,8 +349,11 @@ void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, in
   float* xp = x_block_buffer(row_block / MR * Tile::x_panel_elems(std::max<int64_t>(kc_max, 1)));
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, groups)));
   if (k == 0) {  // no products: out = bias (or 0)
+    alignas(64) float zeros[8 * kNR] = {};
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < n; ++j) out[r * ldo + j] = bias != nullptr ? bias[j] : 0.f;
+      for (int64_t j = 0; j < n; j += kNR)
+        store_tile(zeros, kNR, out + r * ldo + j, ldo, 1, std::min(kNR, n - j), bias != nullptr ? bias + j : nullptr,
+                   false);
     return;
   }
   // groups of panels are handed out a few at a time, not split in equal halves up front: on a
@@ -513,6 +543,20 @@ void gemm_bf16kp(const void* x, int x_is_bf16, int64_t ldx, int64_t m, int64_t k
     gemm<Avx512Bf16Tile>(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
   else
     gemm<Avx512Bf16Tile>(static_cast<const float*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+}
+
+// 1 when gemm_bf16kp_bf16out takes this k (it fits one k block), else 0.
+int gemm_bf16kp_bf16out_takes(int64_t k) { return k <= kMaxKBlock ? 1 : 0; }
+
+// gemm_bf16kp with x bfloat16 and out bfloat16, each float32 sum (+ bias) rounded once as it is
+// stored: no float32 out to write, read back and convert. k must fit one k block (above).
+void gemm_bf16kp_bf16out(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
+                         const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
+  if (k > kMaxKBlock) std::abort();
+  if (bf16_dot())
+    gemm<Avx512DotTile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  else
+    gemm<Avx512Bf16Tile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
 
 // Which tile k-pair GEMMs with bfloat16 x run: 1 = vdpbf16ps (where the CPU has AVX512-BF16), 0 =
