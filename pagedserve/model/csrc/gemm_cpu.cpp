@@ -356,9 +356,16 @@ void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, in
                    false);
     return;
   }
-  // groups of panels are handed out a few at a time, not split in equal halves up front: on a
-  // shared machine one core is often slower, and a static split leaves the other waiting for it
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, groups / (8 * threads)));
+  // Work items are (group of panels, slice of row panels), handed out a few at a time, not split
+  // in equal halves up front: on a shared machine one core is often slower, and a static split
+  // leaves the other waiting for it. Rows are sliced only when there are too few groups to share
+  // out evenly (o_proj of the small model: 11 groups for 2 threads, one thread doing 6 while the
+  // other waits after 5); each slice then re-reads its group's W slice from cache.
+  const int64_t max_row_panels = (row_block + MR - 1) / MR;
+  const int64_t row_slices =
+      groups >= 8 * threads ? 1 : std::min(max_row_panels, (8 * threads + groups - 1) / groups);
+  const int64_t items = groups * row_slices;
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, items / (8 * threads)));
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) float tile[MR * Tile::kCols];
@@ -370,13 +377,15 @@ void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, in
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < row_panels; ++i)
           Tile::pack_x(x + (r0 + i * MR) * ldx + k0, ldx, std::min(MR, rows - i * MR), kc, xp + i * x_panel);
+        const int64_t per_slice = (row_panels + row_slices - 1) / row_slices;
 #pragma omp for schedule(dynamic, chunk)
-        for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t item = 0; item < items; ++item) {
+          const int64_t g = item / row_slices, i0 = item % row_slices * per_slice;
           const int64_t p = g * Tile::kPanels;
           const WT* wp = w_packed + (p * wk + k0) * kNR;
           const int np = static_cast<int>(std::min(Tile::kPanels, panels - p));
           const int64_t cols = std::min(np * kNR, n - p * kNR);
-          for (int64_t i = 0; i < row_panels; ++i) {
+          for (int64_t i = i0; i < std::min(row_panels, i0 + per_slice); ++i) {
             Tile::product(xp + i * x_panel, wp, wk * kNR, kc, np, tile);
             store_tile(tile, Tile::kCols, out + (r0 + i * MR) * ldo + p * kNR, ldo, std::min(MR, rows - i * MR), cols,
                        bias != nullptr ? bias + p * kNR : nullptr, k0 > 0);
