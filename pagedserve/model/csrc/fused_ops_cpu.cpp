@@ -14,9 +14,10 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include <array>
 #include <cmath>
 #include <vector>
+
+#include "bf16.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -25,27 +26,15 @@
 
 namespace {
 
-// Storage types: float32, and bfloat16 as its bits (the high half of a float32).
+// Storage types: float32, and bfloat16 as its bits (bf16.h).
 inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float v;
-  __builtin_memcpy(&v, &bits, sizeof v);
-  return v;
-}
-// v rounded to bfloat16 (nearest, ties to even; NaN stays a quiet NaN), as torch's conversion
-inline uint16_t to_bf16(float v) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &v, sizeof bits);
-  if (std::isnan(v)) return 0x7fc0;
-  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
+inline float load(const uint16_t* p) { return bf16::to_float(*p); }
 inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) { *p = to_bf16(v); }
+inline void store(uint16_t* p, float v) { *p = bf16::from_float(v); }
 // v as the storage type T would hold it: rounds to bfloat16 between ops of a bfloat16 expression
 template <typename T>
 inline float round_to(float v) {
-  if constexpr (sizeof(T) == 2) return load(std::array<uint16_t, 1>{to_bf16(v)}.data());
+  if constexpr (sizeof(T) == 2) return bf16::to_float(bf16::from_float(v));
   return v;
 }
 
@@ -132,23 +121,8 @@ inline __m256 silu8(__m256 g) {
   const __m256 one = _mm256_set1_ps(1.f);
   return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
-// 8 bfloat16 ↔ float32 lanes, rounding to nearest even (NaN → quiet NaN) as to_bf16
-inline __m256 load8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256i bf16_bits8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-}
-inline __m256 round8_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
-inline void store8(uint16_t* p, __m256 v) {
-  const __m256i r = bf16_bits8(v);  // 8 × 32-bit lanes, each < 65536
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
+inline __m256 load8(const uint16_t* p) { return bf16::load8(p); }
+inline void store8(uint16_t* p, __m256 v) { bf16::store8(p, v); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 #endif
@@ -164,7 +138,7 @@ void silu_mul(const T* gu, T* out, int64_t T_, int64_t I, int nthreads) {
 #ifdef PS_HAVE_AVX2
     for (; i + 8 <= I; i += 8) {
       __m256 s = silu8(load8(g + i));
-      if constexpr (sizeof(T) == 2) s = round8_bf16(s);
+      if constexpr (sizeof(T) == 2) s = bf16::round8(s);
       store8(o + i, _mm256_mul_ps(s, load8(u + i)));
     }
 #endif

@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "bf16.h"
 #include "gemm_tile_avx512.h"
 
 namespace {
@@ -234,12 +235,7 @@ void store_tile(const float* tile, int64_t ld_tile, uint16_t* out, int64_t ldo, 
     const int64_t n = std::min<int64_t>(8, cols - c);
     const __m256 b = bias != nullptr ? _mm256_maskload_ps(bias + c, first_lanes(n)) : _mm256_setzero_ps();
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256 v = _mm256_add_ps(_mm256_load_ps(tile + r * ld_tile + c), b);
-      const __m256i bits = _mm256_castps_si256(v);
-      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-      __m256i h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-      h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      const __m128i packed = bf16::pack8(_mm256_add_ps(_mm256_load_ps(tile + r * ld_tile + c), b));
       uint16_t* o = out + r * ldo + c;
       if (n == 8) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
@@ -253,12 +249,7 @@ void store_tile(const float* tile, int64_t ld_tile, uint16_t* out, int64_t ldo, 
 }
 
 inline float to_float(float v) { return v; }
-inline float to_float(uint16_t bf16) {  // bfloat16 is the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float v;
-  __builtin_memcpy(&v, &bits, sizeof v);
-  return v;
-}
+inline float to_float(uint16_t h) { return bf16::to_float(h); }
 
 // rows ≤ MR of x (row stride ldx), columns [0, kc), as float32 [kc_padded][MR], zero-padded past
 // `rows` and past kc

@@ -1,0 +1,52 @@
+// bfloat16 <-> float32 for the CPU libraries (gemm_cpu.cpp, fused_ops_cpu.cpp): bfloat16 is the
+// high half of a float32, so widening is a shift; narrowing rounds to nearest, ties to even, and
+// turns a NaN into the quiet NaN 0x7fc0, exactly as torch converts float32 to bfloat16.
+#pragma once
+#include <stdint.h>
+
+#include <cmath>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace bf16 {
+
+inline float to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline uint16_t from_float(float v) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  if (std::isnan(v)) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+#if defined(__AVX2__)
+// 8 bfloat16 at p as float32 lanes
+inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+// float32 lanes rounded as from_float, each bfloat16 in the low half of its 32-bit lane
+inline __m256i bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+// the 8 rounded values packed into 16 bytes
+inline __m128i pack8(__m256 v) {
+  const __m256i r = bits8(v);  // each lane < 65536, so the unsigned saturation keeps it
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack8(v)); }
+// v as bfloat16 would hold it, widened back
+inline __m256 round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits8(v), 16)); }
+#endif
+
+}  // namespace bf16
