@@ -38,29 +38,27 @@ def layer_shapes(shape: dict) -> list[tuple[str, int, int, int]]:
             ("down", inter, h, layers), ("lm_head", h, VOCAB, 1)]
 
 
+def with_tile(packed, switch, during, after):
+    """Our linear on `packed` with the tile switched by switch(during), then switch(after)."""
+    def run(x):
+        switch(during)
+        try:
+            return cpu_gemm.linear(x, packed)
+        finally:
+            switch(after)
+    return run
+
+
 def variants(w: torch.Tensor, rows: int) -> dict:
     packed_native = cpu_gemm.pack_weight(w)
-    n = w.shape[0]
     out = {"native": lambda x: cpu_gemm.linear(x, packed_native)}
     if w.dtype == torch.bfloat16 and cpu_gemm.bf16_dot():  # the widening AVX-512 tile beside vdpbf16ps
-        def native_widen(x):
-            cpu_gemm.set_bf16_dot(False)
-            try:
-                return cpu_gemm.linear(x, packed_native)
-            finally:
-                cpu_gemm.set_bf16_dot(None)
-        out["native_widen"] = native_widen
+        out["native_widen"] = with_tile(packed_native, cpu_gemm.set_bf16_dot, False, None)
     if w.dtype == torch.bfloat16 and cpu_gemm.bf16_k_pairs():  # the AVX2 tile beside the AVX-512 one
         interleaved = cpu_gemm.pack_weight(w, k_pairs=False)
         out["native_avx2"] = lambda x: cpu_gemm.linear(x, interleaved)
     if w.dtype == torch.float32 and cpu_gemm.vector_bits() == 512:  # the AVX2 tile beside the AVX-512 one
-        def native_avx2(x):
-            cpu_gemm.set_avx512(False)
-            try:
-                return cpu_gemm.linear(x, packed_native)
-            finally:
-                cpu_gemm.set_avx512(True)
-        out["native_avx2"] = native_avx2
+        out["native_avx2"] = with_tile(packed_native, cpu_gemm.set_avx512, False, True)
     try:
         packed_onednn = torch.ops.mkldnn._reorder_linear_weight(w, rows)
         onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed_onednn, None, "none", [], "")  # noqa: E731

@@ -130,6 +130,8 @@ class PackedWeight:
         self.panels = torch.empty(size_fn(*w.shape), dtype=w.dtype)
         assert self.panels.data_ptr() % 64 == 0  # the kernels read panels with aligned loads; torch aligns to 64
         pack_fn(w.data_ptr(), *w.shape, self.panels.data_ptr(), torch.get_num_threads())
+        # bfloat16 activations on these panels can be stored as bfloat16 straight from the tiles
+        self.bf16_out = self.k_pairs and bool(lib.gemm_bf16kp_bf16out_takes(self.in_features))
 
 
 def pack_weight(weight: torch.Tensor, k_pairs: bool | None = None) -> PackedWeight:
@@ -156,7 +158,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
         bias = bias.float()
     b = bias.data_ptr() if bias is not None else None
     lib = _native.lib
-    if packed.k_pairs and x2.dtype == torch.bfloat16 and lib.gemm_bf16kp_bf16out_takes(k):
+    if packed.bf16_out and x2.dtype == torch.bfloat16:
         # rounded to bfloat16 as each tile is stored: no float32 out to write and convert
         out = torch.empty((m, out_features), dtype=torch.bfloat16)
         lib.gemm_bf16kp_bf16out(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
@@ -164,13 +166,13 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
         return out.view(*x.shape[:-1], out_features)
     out = torch.empty((m, out_features), dtype=torch.float32)
     if bf16_w:
-        fn = _native.lib.gemm_bf16kp if packed.k_pairs else _native.lib.gemm_bf16
+        fn = lib.gemm_bf16kp if packed.k_pairs else lib.gemm_bf16
         fn(x2.data_ptr(), int(x2.dtype == torch.bfloat16), x2.stride(0), m, k, packed.panels.data_ptr(),
            out_features, b, out.data_ptr(), out_features, torch.get_num_threads())
         out = out.to(torch.bfloat16)
     else:
-        _native.lib.gemm_f32(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
-                             out.data_ptr(), out_features, torch.get_num_threads())
+        lib.gemm_f32(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
+                     out.data_ptr(), out_features, torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
 
 

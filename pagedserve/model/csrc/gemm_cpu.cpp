@@ -442,6 +442,16 @@ bool bf16_dot() {
   return probed_bf16_dot == 1;
 }
 
+// k-pair bfloat16 GEMM with bfloat16 x, on the tile bf16_dot() picks; out float32 or bfloat16
+template <typename OT>
+void gemm_bf16kp_bf16x(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
+                       const float* bias, OT* out, int64_t ldo, int nthreads) {
+  if (bf16_dot())
+    gemm<Avx512DotTile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  else
+    gemm<Avx512Bf16Tile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -537,10 +547,8 @@ void gemm_bf16kp_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, in
 // 1) or float32, bias float32 or null. Products and sums in float32.
 void gemm_bf16kp(const void* x, int x_is_bf16, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed,
                  int64_t n, const float* bias, float* out, int64_t ldo, int nthreads) {
-  if (x_is_bf16 && bf16_dot())
-    gemm<Avx512DotTile>(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
-  else if (x_is_bf16)
-    gemm<Avx512Bf16Tile>(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  if (x_is_bf16)
+    gemm_bf16kp_bf16x(static_cast<const uint16_t*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
   else
     gemm<Avx512Bf16Tile>(static_cast<const float*>(x), ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
@@ -553,10 +561,7 @@ int gemm_bf16kp_bf16out_takes(int64_t k) { return k <= kMaxKBlock ? 1 : 0; }
 void gemm_bf16kp_bf16out(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
                          const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
   if (k > kMaxKBlock) std::abort();
-  if (bf16_dot())
-    gemm<Avx512DotTile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
-  else
-    gemm<Avx512Bf16Tile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  gemm_bf16kp_bf16x(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
 
 // Which tile k-pair GEMMs with bfloat16 x run: 1 = vdpbf16ps (where the CPU has AVX512-BF16), 0 =

@@ -140,59 +140,40 @@ inline void tile_product_dot(const uint32_t* x, const uint16_t* w, int64_t panel
     tile_product_dot_np<1>(x, w, panel_stride, kc, tile);
 }
 
-// 12 independent chains of vdpbf16ps, `iters` rounds, in registers: the probe's loop (assembly
-// for the same reason as fma_chains below).
+// 12 independent chains of one zmm instruction OP (zmm4..15 += f(zmm0, zmm1)), `iters` rounds, in
+// registers: the loops the FMA peak and the vdpbf16ps probe time. In assembly: written with
+// intrinsics, GCC folds the identical chains into one.
+#define PS_ZMM_CHAINS(OP, iters)                                                                        \
+  asm volatile(                                                                                        \
+      "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"                                                              \
+      "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"                                                              \
+      "vmovaps %%zmm0, %%zmm4\n\t" "vmovaps %%zmm0, %%zmm5\n\t" "vmovaps %%zmm0, %%zmm6\n\t"            \
+      "vmovaps %%zmm0, %%zmm7\n\t" "vmovaps %%zmm0, %%zmm8\n\t" "vmovaps %%zmm0, %%zmm9\n\t"            \
+      "vmovaps %%zmm0, %%zmm10\n\t" "vmovaps %%zmm0, %%zmm11\n\t" "vmovaps %%zmm0, %%zmm12\n\t"          \
+      "vmovaps %%zmm0, %%zmm13\n\t" "vmovaps %%zmm0, %%zmm14\n\t" "vmovaps %%zmm0, %%zmm15\n\t"         \
+      "1:\n\t"                                                                                         \
+      OP " %%zmm0, %%zmm1, %%zmm4\n\t" OP " %%zmm0, %%zmm1, %%zmm5\n\t"                                 \
+      OP " %%zmm0, %%zmm1, %%zmm6\n\t" OP " %%zmm0, %%zmm1, %%zmm7\n\t"                                 \
+      OP " %%zmm0, %%zmm1, %%zmm8\n\t" OP " %%zmm0, %%zmm1, %%zmm9\n\t"                                 \
+      OP " %%zmm0, %%zmm1, %%zmm10\n\t" OP " %%zmm0, %%zmm1, %%zmm11\n\t"                               \
+      OP " %%zmm0, %%zmm1, %%zmm12\n\t" OP " %%zmm0, %%zmm1, %%zmm13\n\t"                               \
+      OP " %%zmm0, %%zmm1, %%zmm14\n\t" OP " %%zmm0, %%zmm1, %%zmm15\n\t"                               \
+      "dec %[n]\n\t"                                                                                   \
+      "jnz 1b\n\t"                                                                                     \
+      "vzeroupper\n\t"                                                                                 \
+      : [n] "+r"(iters)                                                                                \
+      :                                                                                                \
+      : "cc", "xmm0", "xmm1", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",  \
+        "xmm13", "xmm14", "xmm15")
+
 __attribute__((target("avx512f,avx512bf16"))) inline void dot_chains(int64_t iters) {
-  asm volatile(
-      "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
-      "vpxord %%zmm1, %%zmm1, %%zmm1\n\t"
-      "vmovaps %%zmm0, %%zmm4\n\t" "vmovaps %%zmm0, %%zmm5\n\t" "vmovaps %%zmm0, %%zmm6\n\t"
-      "vmovaps %%zmm0, %%zmm7\n\t" "vmovaps %%zmm0, %%zmm8\n\t" "vmovaps %%zmm0, %%zmm9\n\t"
-      "vmovaps %%zmm0, %%zmm10\n\t" "vmovaps %%zmm0, %%zmm11\n\t" "vmovaps %%zmm0, %%zmm12\n\t"
-      "vmovaps %%zmm0, %%zmm13\n\t" "vmovaps %%zmm0, %%zmm14\n\t" "vmovaps %%zmm0, %%zmm15\n\t"
-      "1:\n\t"
-      "vdpbf16ps %%zmm0, %%zmm1, %%zmm4\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm5\n\t"
-      "vdpbf16ps %%zmm0, %%zmm1, %%zmm6\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm7\n\t"
-      "vdpbf16ps %%zmm0, %%zmm1, %%zmm8\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm9\n\t"
-      "vdpbf16ps %%zmm0, %%zmm1, %%zmm10\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm11\n\t"
-      "vdpbf16ps %%zmm0, %%zmm1, %%zmm12\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm13\n\t"
-      "vdpbf16ps %%zmm0, %%zmm1, %%zmm14\n\t" "vdpbf16ps %%zmm0, %%zmm1, %%zmm15\n\t"
-      "dec %[n]\n\t"
-      "jnz 1b\n\t"
-      "vzeroupper\n\t"
-      : [n] "+r"(iters)
-      :
-      : "cc", "xmm0", "xmm1", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13",
-        "xmm14", "xmm15");
+  PS_ZMM_CHAINS("vdpbf16ps", iters);
 }
 
 inline bool dot_supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
 
-// 12 independent chains of 16-wide FMAs, `iters` rounds, in registers (the FMA peak's loop). In
-// assembly: written with intrinsics, GCC folds the identical chains into one.
-inline void fma_chains(int64_t iters) {
-  asm volatile(
-      "vxorps %%zmm0, %%zmm0, %%zmm0\n\t"
-      "vxorps %%zmm1, %%zmm1, %%zmm1\n\t"
-      "vmovaps %%zmm0, %%zmm4\n\t" "vmovaps %%zmm0, %%zmm5\n\t" "vmovaps %%zmm0, %%zmm6\n\t"
-      "vmovaps %%zmm0, %%zmm7\n\t" "vmovaps %%zmm0, %%zmm8\n\t" "vmovaps %%zmm0, %%zmm9\n\t"
-      "vmovaps %%zmm0, %%zmm10\n\t" "vmovaps %%zmm0, %%zmm11\n\t" "vmovaps %%zmm0, %%zmm12\n\t"
-      "vmovaps %%zmm0, %%zmm13\n\t" "vmovaps %%zmm0, %%zmm14\n\t" "vmovaps %%zmm0, %%zmm15\n\t"
-      "1:\n\t"
-      "vfmadd231ps %%zmm0, %%zmm1, %%zmm4\n\t" "vfmadd231ps %%zmm0, %%zmm1, %%zmm5\n\t"
-      "vfmadd231ps %%zmm0, %%zmm1, %%zmm6\n\t" "vfmadd231ps %%zmm0, %%zmm1, %%zmm7\n\t"
-      "vfmadd231ps %%zmm0, %%zmm1, %%zmm8\n\t" "vfmadd231ps %%zmm0, %%zmm1, %%zmm9\n\t"
-      "vfmadd231ps %%zmm0, %%zmm1, %%zmm10\n\t" "vfmadd231ps %%zmm0, %%zmm1, %%zmm11\n\t"
-      "vfmadd231ps %%zmm0, %%zmm1, %%zmm12\n\t" "vfmadd231ps %%zmm0, %%zmm1, %%zmm13\n\t"
-      "vfmadd231ps %%zmm0, %%zmm1, %%zmm14\n\t" "vfmadd231ps %%zmm0, %%zmm1, %%zmm15\n\t"
-      "dec %[n]\n\t"
-      "jnz 1b\n\t"
-      "vzeroupper\n\t"
-      : [n] "+r"(iters)
-      :
-      : "cc", "xmm0", "xmm1", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13",
-        "xmm14", "xmm15");
-}
+inline void fma_chains(int64_t iters) { PS_ZMM_CHAINS("vfmadd231ps", iters); }
+#undef PS_ZMM_CHAINS
 
 inline bool supported() { return __builtin_cpu_supports("avx512f"); }
 
