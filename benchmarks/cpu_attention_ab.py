@@ -6,8 +6,9 @@ prints median milliseconds and B/A speed ratios (> 1: this checkout is faster):
 
     python benchmarks/cpu_attention_ab.py --base fb048ad          # against session 3's kernel
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --cases W1-decode,prompt-512
+    python benchmarks/cpu_attention_ab.py --base HEAD~1 --dtype bfloat16    # bfloat16 caches and queries
 
-Cases (small model: 8 heads, 4 kv heads, head size 64, block size 16, float32):
+Cases (small model: 8 heads, 4 kv heads, head size 64, block size 16, float32 unless --dtype):
   W1-decode     256 decodes, contexts 128-256, blocks in allocation order (memory-bound)
   W2-decode     200 decodes, contexts 300-1100, blocks shuffled (memory-bound)
   W3-decode     128 decodes over one shared 1056-token context (compute-bound, L3-resident)
@@ -38,10 +39,10 @@ H, KVH, D, BS = 8, 4, 64, 16
 ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
-def build(src_dir: Path, out: Path):
+def build(src_dir: Path, out: Path, dtype: torch.dtype):
     subprocess.run(["g++", *cpu_kernels._FLAGS, str(src_dir / "paged_attention_cpu.cpp"), "-o", str(out)],
                    check=True, capture_output=True, text=True)
-    fn = ctypes.CDLL(str(out)).paged_attention_f32
+    fn = getattr(ctypes.CDLL(str(out)), cpu_kernels._FN[dtype])
     fn.restype, fn.argtypes = None, ARGS
     return fn
 
@@ -57,7 +58,8 @@ def checkout_kernel(rev: str, dest: Path) -> Path:
     return dest
 
 
-def make_case(n_seqs: int, lo: int, hi: int, *, qn: int = 1, shuffle: bool = False, shared: bool = False):
+def make_case(dtype: torch.dtype, n_seqs: int, lo: int, hi: int, *, qn: int = 1, shuffle: bool = False,
+              shared: bool = False):
     rng = np.random.default_rng(0)
     ctx = rng.integers(lo, hi + 1, n_seqs)
     n_blocks = [(int(c) + BS - 1) // BS for c in ctx]
@@ -69,8 +71,8 @@ def make_case(n_seqs: int, lo: int, hi: int, *, qn: int = 1, shuffle: bool = Fal
         bt[b, :nb] = torch.arange(nb) if shared else torch.from_numpy(ids[k:k + nb])
         k += 0 if shared else nb
     g = torch.Generator().manual_seed(0)
-    kc, vc = torch.randn(total, BS, KVH, D, generator=g), torch.randn(total, BS, KVH, D, generator=g)
-    q = torch.randn(n_seqs * qn, H, D, generator=g)
+    kc, vc = (torch.randn(total, BS, KVH, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(n_seqs * qn, H, D, generator=g).to(dtype)
     starts = torch.arange(n_seqs + 1, dtype=torch.int64) * qn
     return q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int64), starts
 
@@ -100,23 +102,28 @@ def main() -> int:
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     p.add_argument("--repeats", type=int, default=9, help="alternated calls per version and case")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    # both versions sum in float32; bfloat16 outputs may then round one unit apart
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "base").mkdir()
-        base = build(checkout_kernel(args.base, tmp / "base"), tmp / "base.so")
-        this = build(ROOT / CSRC, tmp / "this.so")
-        print(f"paged attention, {args.threads} threads: {args.base} (A) vs this checkout (B); medians of {args.repeats}")
+        base = build(checkout_kernel(args.base, tmp / "base"), tmp / "base.so", dtype)
+        this = build(ROOT / CSRC, tmp / "this.so", dtype)
+        print(f"paged attention, {args.dtype}, {args.threads} threads: {args.base} (A) vs this checkout (B); "
+              f"medians of {args.repeats}")
         for name in args.cases.split(","):
-            case = make_case(**CASES[name])
+            case = make_case(dtype, **CASES[name])
             times = {"A": [], "B": []}
             for r in range(args.repeats):
                 ta, oa = call(base, case, args.threads)
                 tb, ob = call(this, case, args.threads)
                 times["A"].append(ta)
                 times["B"].append(tb)
-                if r == 0 and not torch.allclose(oa, ob, atol=1e-4, rtol=1e-4):
-                    print(f"{name}: outputs differ (max {(oa - ob).abs().max():.2e})", file=sys.stderr)
+                if r == 0 and not torch.allclose(oa.float(), ob.float(), atol=tol, rtol=tol):
+                    print(f"{name}: outputs differ (max {(oa.float() - ob.float()).abs().max():.2e})", file=sys.stderr)
                     return 1
             a, b = statistics.median(times["A"]), statistics.median(times["B"])
             print(f"  {name:12s} A {a * 1e3:8.2f} ms   B {b * 1e3:8.2f} ms   B/A speed {a / b:5.2f}x")

@@ -122,3 +122,39 @@ def test_engine_greedy_same_with_and_without_native_kernel(llama_dir, monkeypatc
     a, b = native.generate(reqs, sp), gather.generate(reqs, sp)
     for p, x, y in zip(prompts, a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(p), 10)
+
+
+# (heads, kv_heads, head_dim, block_size): every group size the decode kernel has (1-8 query heads
+# per kv head), both its head sizes, blocks shorter and longer than its 16-token steps and not a
+# multiple of them
+@pytest.mark.parametrize("heads, kv_heads, head_dim, bs", [(4, 4, 64, 16), (8, 4, 64, 16), (9, 3, 64, 8),
+                                                           (16, 4, 128, 32), (10, 2, 64, 24), (12, 2, 128, 16),
+                                                           (14, 2, 64, 16), (8, 1, 128, 16)])
+@pytest.mark.parametrize("decode_kernel", [True, False])
+def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head_dim, bs, decode_kernel):
+    """bfloat16 decodes, on the AVX-512 decode kernel (where this CPU has it) and on the row path,
+    with and without shared-prefix blocks: both sum in float32, so each output may differ from a
+    float32 reference on the same bfloat16 inputs only by its final rounding to bfloat16."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(3)
+    n_blocks = 160
+    kc, vc = _random_kv(g, n_blocks, bs, kv_heads, head_dim, torch.bfloat16)
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    prefix, fresh = perm[:6], iter(perm[6:])
+    lens = [1, bs - 1, bs + 1, 3 * bs, 130, 6 * bs + 5, 6 * bs + 1, 7 * bs, 9 * bs, 6 * bs + 2]
+    tables = []
+    for b, n in enumerate(lens):  # the last five share a 6-block prefix (read together)
+        own = -(-n // bs)
+        head = prefix[:own] if b >= 5 else []
+        tables.append(head + [next(fresh) for _ in range(own - len(head))])
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(torch.bfloat16)
+    try:
+        cpu_kernels.set_decode_kernel(decode_kernel)
+        got = cpu_kernels.paged_decode_attention(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5).float()
+    finally:
+        cpu_kernels.set_decode_kernel(True)
+    want = _reference(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
+    # half a bfloat16 unit of the result, plus float32 summation-order slack
+    assert ((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-5).all()

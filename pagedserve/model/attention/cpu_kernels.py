@@ -24,7 +24,8 @@ _FN = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf
 _ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
 _native = native_build.NativeLibrary(
     _SRC, _FLAGS, "libpagedserve_cpu.so",
-    {**{name: (None, _ARGS) for name in _FN.values()}, "paged_attention_vectorized": (ctypes.c_int, [])},
+    {**{name: (None, _ARGS) for name in _FN.values()}, "paged_attention_vectorized": (ctypes.c_int, []),
+     "paged_attention_set_decode_kernel": (ctypes.c_int, [ctypes.c_int])},
     "CPU attention kernel", "using the torch gather path")
 
 
@@ -65,3 +66,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     """One query token per sequence: q [B, H, D] → [B, H, D]."""
     q_starts = torch.arange(q.shape[0] + 1, dtype=torch.int64)
     return paged_attention(q, key_cache, value_cache, block_tables, seq_lens, q_starts, scale)
+
+
+def set_decode_kernel(on: bool) -> bool:
+    """Decodes on the AVX-512 decode kernel (True, the default) or the row path (False), for A/B
+    runs and tests. Returns whether this build has the decode kernel at all."""
+    return bool(load().paged_attention_set_decode_kernel(int(on)))

@@ -24,6 +24,7 @@
 // Pins a loaded vector in a register. GCC otherwise folds a vector that several FMAs share into
 // each of them as a reloaded memory operand, which makes the inner loops load-bound.
 #define PS_KEEP(v) __asm__("" : "+x"(v))
+#define PS_KEEP16(v) __asm__("" : "+v"(v))  // the same for a zmm (any of the 32)
 
 namespace {
 

@@ -13,12 +13,15 @@
 // Two paths (AVX2+FMA, float32 and bfloat16 storage, head size a multiple of 8):
 //   paged_attention_rows.h   decodes and short chunks: each (query, head) row on its own
 //   paged_attention_tiled.h  prompt chunks: the rows of a kv head as small register-tiled products
+// and, with AVX-512, bfloat16 decodes of head size 64 or 128 on paged_attention_decode.h (the G
+// heads of a kv head through each K/V row together).
 // Built for the CPU it runs on: with AVX-512, the rows' dot products and P·V sums and the tiles'
 // 16-key / 16-dim cases use 16-wide vectors (~1.1x on the workloads' shapes, cpu_attention_ab.py).
 // Other head sizes and CPUs take a scalar path with the rows structure. Plain C ABI, called
 // through ctypes, so it builds in a couple of seconds without torch's headers. The headers are
 // part of the build's cache key (model/native_build.py).
 #include "paged_attention_common.h"
+#include "paged_attention_decode.h"
 #include "paged_attention_rows.h"
 #include "paged_attention_tiled.h"
 
@@ -71,6 +74,11 @@ std::vector<SharedPrefix> find_shared_prefixes(const int64_t* bt, const int64_t*
   return groups;
 }
 
+// Whether decodes take the AVX-512 decode kernel where it takes the dtype and shape
+// (paged_attention_decode.h);
+// paged_attention_set_decode_kernel(0) sends them down the row path, for A/B runs and tests.
+bool use_decode_kernel = true;
+
 template <typename T>
 void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* seq_lens,
                const int64_t* q_starts, T* out, int64_t B, const Shape& s, int nthreads) {
@@ -117,6 +125,9 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
   std::vector<float> state(groups.empty() ? 0 : static_cast<size_t>(B * s.H * (s.D + 2)));
   const int64_t n_share = static_cast<int64_t>(share_items.size());
 #endif
+#ifdef PS_HAVE_AVX512
+  const DecodeFn<T> decode = use_decode_kernel ? decode_kernel<T>(s) : nullptr;
+#endif
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(nthreads)
   {
@@ -140,8 +151,15 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
       const int64_t first_pos = seq_lens[it.b] - qn + it.i0;
       const Rows rs{it.i1 - it.i0, it.kh0 * G, (it.kh1 - it.kh0) * G, G};
 #ifdef PS_HAVE_AVX2
-      // a decode of a shared-prefix group continues from the state of its rows (row path only)
+      // a decode of a shared-prefix group continues from the state of its rows (decode or row path)
       const int64_t blk0 = shared_blocks.empty() ? 0 : shared_blocks[it.b];
+#ifdef PS_HAVE_AVX512
+      if (decode != nullptr && qn == 1) {
+        decode(qp, kc, vc, bt + it.b * s.MAXB, seq_lens[it.b], it.kh0, it.kh1, s, op, work.data(), blk0,
+               blk0 > 0 ? state.data() + it.b * s.H * (s.D + 2) : nullptr);
+        continue;
+      }
+#endif
       if (vec && rs.qn * G >= kTiledMinRows && blk0 == 0) {
         item_tiled(qp, kc, vc, bt + it.b * s.MAXB, first_pos, rs, s, op, work.data());
         continue;
@@ -169,6 +187,16 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t*
                           const int64_t* seq_lens, const int64_t* q_starts, uint16_t* out, int64_t B, int64_t H,
                           int64_t KVH, int64_t D, int64_t BS, int64_t MAXB, float scale, int nthreads) {
   attention<uint16_t>(q, kc, vc, bt, seq_lens, q_starts, out, B, Shape{H, KVH, D, BS, MAXB, scale}, nthreads);
+}
+// 1 = decodes take the AVX-512 decode kernel where this build has it and the dtype and shape fit
+// (the default), 0 = the row path. Returns 1 when the decode kernel is built in.
+int paged_attention_set_decode_kernel(int on) {
+  use_decode_kernel = on != 0;
+#ifdef PS_HAVE_AVX512
+  return 1;
+#else
+  return 0;
+#endif
 }
 // 1 when this build has the vectorised path (for logs and tests)
 int paged_attention_vectorized() {

@@ -51,7 +51,6 @@ inline void transpose_keys(const T* k, int64_t stride, int64_t nv, int64_t D, in
 #define PS_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
 #ifdef PS_HAVE_AVX512
-#define PS_KEEP16(v) __asm__("" : "+v"(v))
 // The 16-wide forms of the two tiles below (16 keys, 16 dims: one zmm per row instead of two ymm),
 // which they hand their NK == 2 / NV == 2 cases to on CPUs with AVX-512: half the instructions.
 template <int NR>
