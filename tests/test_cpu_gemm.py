@@ -102,6 +102,52 @@ def test_bf16_linear_is_float32_sums_rounded_once(threads, bf16_tile, m, k, n):
     assert (err <= _float32_sums(x32, w).abs() * 2 ** -8 + 1e-5 * k ** 0.5).all()
 
 
+# The gate/up projection whose tiles store silu(gate) · up: bit for bit the GEMM followed by the
+# fused ops' silu_mul, on every tile, across tiles, row blocks and 3-panel tile widths; its plain
+# forward still returns [gate | up] in order. I = 8: one panel; 40: a partial 3-panel tile.
+@pytest.mark.parametrize("m", [1, 7, 64, 600])
+@pytest.mark.parametrize("i,k", [(8, 24), (40, 37), (1536, 512), (72, 1100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_silu_epilogue_is_gemm_then_silu_mul(threads, tile, dtype, m, i, k):
+    from pagedserve.model import cpu_fused
+    if cpu_fused.load() is None:
+        pytest.skip(f"fused ops unavailable: {cpu_fused.failure_reason()}")
+    g = torch.Generator().manual_seed(m + i + k)
+    layer = nn.Linear(k, 2 * i, bias=False).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(2 * i, k, generator=g))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    fused, plain = cpu_gemm.NativeGateUp(layer), cpu_gemm.NativeLinear(layer)
+    got = fused.silu_mul(x)
+    assert got.dtype == dtype and got.shape == (m, i)
+    assert torch.equal(got, cpu_fused.silu_mul(plain(x)))
+    assert torch.equal(fused(x), plain(x))
+    gate, up = F.linear(x.double(), layer.weight.double()).split(i, dim=-1)
+    assert torch.allclose(got.double(), F.silu(gate) * up, rtol=2e-2, atol=1e-3 * k ** 0.5)
+
+
+def test_gate_up_epilogue_refuses_shapes_it_cannot_store():
+    for layer in (nn.Linear(64, 2 * 12, bias=False), nn.Linear(64, 32), nn.Linear(1101, 32, bias=False)):
+        with pytest.raises(ValueError):
+            cpu_gemm.NativeGateUp(layer)
+
+
+def test_pack_linears_gives_the_mlp_its_silu_epilogue():
+    from transformers import LlamaConfig
+
+    from pagedserve.model.cpu_fused import silu_mul
+    from pagedserve.model.llama import MLP
+    from pagedserve.model.spec import ModelSpec
+    spec = ModelSpec.from_hf_config(LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                num_key_value_heads=2, num_hidden_layers=1, vocab_size=100))
+    mlp = MLP(spec)
+    x = torch.randn(9, spec.hidden_size)
+    want = mlp.down_proj(silu_mul(mlp.gate_up_proj(x)))
+    n, _ = pack_linears(mlp, batch_hint=8)
+    assert n == 2 and isinstance(mlp.gate_up_proj, cpu_gemm.NativeGateUp)
+    assert torch.allclose(mlp(x), want, rtol=1e-4, atol=1e-5)
+
+
 def test_strided_and_batched_inputs(threads):
     g = torch.Generator().manual_seed(1)
     layer = nn.Linear(96, 50)

@@ -29,7 +29,9 @@ from pagedserve.model import native_build
 
 _SRC = Path(__file__).parent / "csrc" / "gemm_cpu.cpp"
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS, "libpagedserve_gemm.so", {
+# no contraction into fused multiply-adds: the gate/up epilogue's SiLU must round as the fused ops'
+# does (csrc/silu.h); the tiles' own FMAs are explicit
+_native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS + ["-ffp-contract=off"], "libpagedserve_gemm.so", {
     "gemm_f32_supported": (_N, []),
     "gemm_f32_packed_size": (_I, [_I, _I]),
     "gemm_f32_pack": (None, [_P, _I, _I, _P, _N]),
@@ -48,6 +50,9 @@ _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS, "libpagedser
     "gemm_bf16kp_dot": (_N, []),
     "gemm_bf16kp_bf16out_takes": (_N, [_I]),
     "gemm_bf16kp_bf16out": (None, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _N]),
+    "gemm_silu_mul_takes": (_N, [_I, _I]),
+    "gemm_f32_silu_mul": (None, [_P, _I, _I, _I, _P, _I, _P, _I, _N]),
+    "gemm_bf16kp_silu_mul": (None, [_P, _I, _I, _I, _P, _I, _P, _I, _N]),
 }, "native CPU GEMM", "using oneDNN / torch linear")
 
 
@@ -191,3 +196,48 @@ class NativeLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class NativeGateUp(nn.Module):
+    """The fused gate/up projection (an nn.Linear [2I, K] = [gate | up], no bias) packed for the
+    native GEMM so that `silu_mul(x)` stores silu(gate) · up [.., I] straight from the tiles: the
+    [.., 2I] product is never written and read back (the MLP's SiLU pass is gone). The rows are
+    packed 8 gate rows, the same 8 up rows, and so on, so each 16-column tile panel holds matching
+    halves. Bit-identical to gate_up followed by cpu_fused.silu_mul (same sums, same SiLU code).
+    float32 x on float32 weights, bfloat16 x on k-pair bfloat16 weights (else the two steps)."""
+
+    def __init__(self, linear_layer: nn.Linear):
+        super().__init__()
+        n, k = linear_layer.out_features, linear_layer.in_features
+        lib = _native.load()
+        if lib is None:
+            raise ValueError(f"native CPU GEMM unavailable: {_native.failure_reason}")
+        if linear_layer.bias is not None or not lib.gemm_silu_mul_takes(n, k):
+            raise ValueError(f"the gate/up epilogue takes no bias, 2I a multiple of 16 and K in one k block, "
+                             f"not [{n}, {k}]")
+        self.in_features, self.out_features = k, n
+        order = torch.arange(n).view(2, n // 16, 8).transpose(0, 1).reshape(-1)
+        self.packed = pack_weight(linear_layer.weight.detach()[order])
+        self._unorder = torch.argsort(order)
+        self._fn = ("gemm_f32_silu_mul" if self.packed.dtype == torch.float32 else
+                    "gemm_bf16kp_silu_mul" if self.packed.k_pairs else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain [gate | up] product (for callers other than the MLP)."""
+        return linear(x, self.packed)[..., self._unorder]
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up of x [.., K] → [.., I], in the weight's dtype."""
+        x2 = x.reshape(-1, self.in_features)
+        if self._fn is None or x2.dtype != self.packed.dtype or x2.stride(-1) != 1 or x2.stride(0) < self.in_features:
+            from pagedserve.model import cpu_fused
+
+            return cpu_fused.silu_mul(self.forward(x2)).view(*x.shape[:-1], self.out_features // 2)
+        out = torch.empty((x2.shape[0], self.out_features // 2), dtype=x2.dtype)
+        getattr(_native.lib, self._fn)(x2.data_ptr(), x2.stride(0), x2.shape[0], self.in_features,
+                                       self.packed.panels.data_ptr(), self.out_features, out.data_ptr(),
+                                       out.shape[1], torch.get_num_threads())
+        return out.view(*x.shape[:-1], self.out_features // 2)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, silu_mul epilogue"

@@ -49,12 +49,25 @@ def _pack_onednn(linear: nn.Linear, batch_hint: int) -> PackedLinear | None:
         return None
 
 
+def _native_linear(layer: nn.Linear) -> nn.Module:
+    """A layer marked `gate_up_halves` (the MLP's fused [gate | up] projection) gets the GEMM whose
+    tiles store silu(gate) · up where its shape allows; every other layer a plain NativeLinear."""
+    from pagedserve.model import cpu_gemm
+
+    if getattr(layer, "gate_up_halves", False) and os.environ.get("PAGEDSERVE_SILU_EPILOGUE", "1") != "0":
+        try:
+            return cpu_gemm.NativeGateUp(layer)
+        except ValueError:
+            pass
+    return cpu_gemm.NativeLinear(layer)
+
+
 def _packer(batch_hint: int):
     """(name, function nn.Linear → packed module or None, weight dtypes it takes) of the best path here."""
     from pagedserve.model import cpu_gemm
 
     if os.environ.get("PAGEDSERVE_CPU_GEMM", "native") != "onednn" and cpu_gemm.usable():
-        return "native GEMM", cpu_gemm.NativeLinear, cpu_gemm.fast_dtypes()
+        return "native GEMM", _native_linear, cpu_gemm.fast_dtypes()
     if torch.backends.mkldnn.is_available():
         return "oneDNN", lambda layer: _pack_onednn(layer, batch_hint), (torch.float32,)
     return None, None, ()

@@ -77,10 +77,14 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias, dtype=dtype)
+        # [gate | up]: the CPU packer may give it a GEMM that stores silu(gate) · up (cpu_linear.py)
+        self.gate_up_proj.gate_up_halves = True
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
 
     def forward(self, x):
         if cpu_fused.usable(x):
+            if hasattr(self.gate_up_proj, "silu_mul"):  # silu(gate) · up straight from the GEMM's tiles
+                return self.down_proj(self.gate_up_proj.silu_mul(x))
             return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -22,6 +22,7 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #define PS_HAVE_AVX2 1
+#include "silu.h"
 #endif
 
 namespace {
@@ -61,25 +62,6 @@ float sum_squares(const float* x, int64_t n) {
   return s;
 }
 
-// exp(x) for float32 lanes: Cephes-style range reduction and a degree-6 polynomial, ~1 ulp.
-#ifdef PS_HAVE_AVX2
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
-  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(x, x)), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
 
 // residual (optional, may be null): residual[t] += x[t] first, and the norm is taken of the sum.
 // out[t] = weight * (h * 1/sqrt(mean(h^2) + eps)), h = the (updated) residual or x; [T, H] rows
@@ -117,10 +99,7 @@ void rms_norm(const T* x, int64_t x_stride, T* residual, const T* weight, T* out
 // out[t, i] = silu(gu[t, i]) * gu[t, I + i] for the fused gate/up projection output [T, 2I]
 // (bfloat16: silu rounded, then the product).
 #ifdef PS_HAVE_AVX2
-inline __m256 silu8(__m256 g) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-}
+using silu::silu8;
 inline __m256 load8(const uint16_t* p) { return bf16::load8(p); }
 inline void store8(uint16_t* p, __m256 v) { bf16::store8(p, v); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

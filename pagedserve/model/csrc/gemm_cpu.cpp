@@ -28,6 +28,7 @@
 
 #include "bf16.h"
 #include "gemm_tile_avx512.h"
+#include "silu.h"
 
 namespace {
 
@@ -248,6 +249,26 @@ void store_tile(const float* tile, int64_t ld_tile, uint16_t* out, int64_t ldo, 
   }
 }
 
+// The gate/up projection's epilogue: W packed with each 16-column panel holding 8 gate columns
+// then the same 8 up columns (cpu_gemm.NativeGateUp), so a tile's columns c..c+15 become out's
+// columns c/2..c/2+7 = silu(gate) · up, and the [T, 2I] product is never stored. One k block
+// only. The same arithmetic as the fused ops' silu_mul (silu.h), so the bits match gemm + silu_mul;
+// bfloat16: gate and up rounded as the GEMM would store them, silu rounded, then the product.
+template <typename OT>
+void store_tile_silu_mul(const float* tile, int64_t ld_tile, OT* out, int64_t ldo, int64_t rows, int64_t cols) {
+  for (int64_t c = 0; c < cols; c += 16)
+    for (int64_t r = 0; r < rows; ++r) {
+      __m256 g = _mm256_load_ps(tile + r * ld_tile + c), u = _mm256_load_ps(tile + r * ld_tile + c + 8);
+      OT* o = out + r * ldo + c / 2;
+      if constexpr (sizeof(OT) == 2) {
+        const __m256 s = bf16::round8(silu::silu8(bf16::round8(g)));
+        bf16::store8(o, _mm256_mul_ps(s, bf16::round8(u)));
+      } else {
+        _mm256_storeu_ps(o, _mm256_mul_ps(silu::silu8(g), u));
+      }
+    }
+}
+
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t h) { return bf16::to_float(h); }
 
@@ -329,7 +350,9 @@ struct Avx512DotTile : TileShape<avx512::kMR, 2> {
 // packed by gemm_f32_pack (WT = float) or gemm_bf16_pack (WT = uint16_t, bfloat16 bits); x is
 // float32 or bfloat16 (XT); sums are float32, out float32 or (OT = uint16_t, only where k fits
 // one k block) bfloat16.
-template <typename Tile, typename XT, typename WT, typename OT>
+// kSiluMul: out[m, n / 2] = silu(gate) · up instead, W packed as store_tile_silu_mul reads it
+// (no bias, k one block).
+template <typename Tile, bool kSiluMul = false, typename XT, typename WT, typename OT>
 void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, int64_t n, const float* bias,
           OT* out, int64_t ldo, int nthreads) {
   if (m <= 0 || n <= 0) return;
@@ -378,8 +401,12 @@ void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, in
           const int64_t cols = std::min(np * kNR, n - p * kNR);
           for (int64_t i = i0; i < std::min(row_panels, i0 + per_slice); ++i) {
             Tile::product(xp + i * x_panel, wp, wk * kNR, kc, np, tile);
-            store_tile(tile, Tile::kCols, out + (r0 + i * MR) * ldo + p * kNR, ldo, std::min(MR, rows - i * MR), cols,
-                       bias != nullptr ? bias + p * kNR : nullptr, k0 > 0);
+            if constexpr (kSiluMul)
+              store_tile_silu_mul(tile, Tile::kCols, out + (r0 + i * MR) * ldo + p * kNR / 2, ldo,
+                                  std::min(MR, rows - i * MR), cols);
+            else
+              store_tile(tile, Tile::kCols, out + (r0 + i * MR) * ldo + p * kNR, ldo, std::min(MR, rows - i * MR),
+                         cols, bias != nullptr ? bias + p * kNR : nullptr, k0 > 0);
           }
         }
       }
@@ -443,13 +470,13 @@ bool bf16_dot() {
 }
 
 // k-pair bfloat16 GEMM with bfloat16 x, on the tile bf16_dot() picks; out float32 or bfloat16
-template <typename OT>
+template <bool kSiluMul = false, typename OT>
 void gemm_bf16kp_bf16x(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
                        const float* bias, OT* out, int64_t ldo, int nthreads) {
   if (bf16_dot())
-    gemm<Avx512DotTile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+    gemm<Avx512DotTile, kSiluMul>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
   else
-    gemm<Avx512Bf16Tile>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+    gemm<Avx512Bf16Tile, kSiluMul>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
 
 }  // namespace
@@ -562,6 +589,29 @@ void gemm_bf16kp_bf16out(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, c
                          const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
   if (k > kMaxKBlock) std::abort();
   gemm_bf16kp_bf16x(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+}
+
+// 1 when the silu_mul GEMMs below take a gate/up projection of this shape (n = 2I with I a
+// multiple of 8, k in one k block), else 0.
+int gemm_silu_mul_takes(int64_t n, int64_t k) { return n % 16 == 0 && k <= kMaxKBlock ? 1 : 0; }
+
+// out[m, n / 2] (row stride ldo) = silu(gate) · up of x[m, k] · Wᵀ, W the gate/up projection
+// [n, k] packed by gemm_f32_pack with its rows in NativeGateUp's order (8 gate rows, the same 8 up
+// rows, ...). The shape must pass gemm_silu_mul_takes.
+void gemm_f32_silu_mul(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_packed, int64_t n,
+                       float* out, int64_t ldo, int nthreads) {
+  if (!gemm_silu_mul_takes(n, k)) std::abort();
+  if (use_avx512)
+    gemm<Avx512Tile, true>(x, ldx, m, k, w_packed, n, nullptr, out, ldo, nthreads);
+  else
+    gemm<Avx2Tile, true>(x, ldx, m, k, w_packed, n, nullptr, out, ldo, nthreads);
+}
+
+// The same for bfloat16 x and out, W packed by gemm_bf16kp_pack.
+void gemm_bf16kp_silu_mul(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
+                          uint16_t* out, int64_t ldo, int nthreads) {
+  if (!gemm_silu_mul_takes(n, k)) std::abort();
+  gemm_bf16kp_bf16x<true>(x, ldx, m, k, w_packed, n, nullptr, out, ldo, nthreads);
 }
 
 // Which tile k-pair GEMMs with bfloat16 x run: 1 = vdpbf16ps (where the CPU has AVX512-BF16), 0 =
