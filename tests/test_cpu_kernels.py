@@ -47,9 +47,12 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, block_size):
 
 # (head_dim, block_size, heads, kv_heads): the vector path; a head size that is not a multiple of 8
 # (the scalar path); odd numbers of 8-wide vectors per head and per block (the tiles' remainders);
-# three query heads per kv head; no grouping
+# three query heads per kv head; no grouping. With AVX-512 the tiled rows walk spans of up to 64
+# keys: 8 blocks of 8, 2 of 24 (48 keys), one 128-key block (two column groups), 2 of 32 with head
+# size 128 (two groups of dims), head size 80 (a 64-dim group and a 16-dim one) on blocks of 40.
 @pytest.mark.parametrize("head_dim, bs, heads, kv_heads", [(64, 16, 8, 2), (12, 16, 8, 2), (40, 24, 8, 2),
-                                                           (64, 16, 6, 2), (64, 8, 4, 4)])
+                                                           (64, 16, 6, 2), (64, 8, 4, 4), (48, 24, 4, 1),
+                                                           (64, 128, 8, 2), (128, 32, 8, 2), (80, 40, 6, 3)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, bs, heads, kv_heads, dtype, tol):
     """Several query tokens per sequence (a prompt chunk after cached context), mixed with decodes."""
@@ -71,15 +74,16 @@ def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, bs, h
             assert torch.allclose(got[row:row + 1].float(), want, atol=tol), (b, i)
 
 
-# (heads, kv_heads): G = 2; no grouping (G = 1); G = 8, where a decode alone fills a tile
-@pytest.mark.parametrize("heads, kv_heads", [(8, 4), (4, 4), (8, 1)])
+# (heads, kv_heads): G = 2; no grouping (G = 1); G = 8, where a decode alone fills a tile;
+# (bs, d): blocks of 16, and a shared prefix walked as 2-block spans with head size 128
+@pytest.mark.parametrize("heads, kv_heads, bs, d", [(8, 4, 16, 64), (4, 4, 16, 64), (8, 1, 16, 64), (8, 2, 32, 128)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_kernel_decodes_sharing_prefix_blocks(heads, kv_heads, dtype, tol):
+def test_kernel_decodes_sharing_prefix_blocks(heads, kv_heads, bs, d, dtype, tol):
     """Decodes whose block tables start with the same blocks (prefix-cache hits) read those blocks
     together; each must still get exactly its own attention."""
     _kernel_or_skip()
     g = torch.Generator().manual_seed(2)
-    bs, d, n_blocks = 16, 64, 200
+    n_blocks = 600
     kc, vc = _random_kv(g, n_blocks, bs, kv_heads, d, dtype)
     perm = torch.randperm(n_blocks, generator=g).tolist()
     fresh = iter(perm[30:])
@@ -90,9 +94,9 @@ def test_kernel_decodes_sharing_prefix_blocks(heads, kv_heads, dtype, tol):
         tables.append(prefix[:own] + [next(fresh) for _ in range(own - len(prefix))])
         lens.append(n)
 
-    # 20 sequences on a 10-block prefix (more than one work item's worth), lengths ending on a
-    # block boundary, one token past it, and further on
-    for i in range(20):
+    # 40 sequences on a 10-block prefix (more than one work item's worth: 32), lengths ending on
+    # a block boundary, one token past it, and further on
+    for i in range(40):
         on_prefix(perm[:10], [160, 161, 176, 300, 250, 175][i % 6])
     # 6 on a 6-block prefix, one of them only 70 tokens long: the group shares its 4 full blocks
     for n in (70, 200, 200, 130, 150, 97):

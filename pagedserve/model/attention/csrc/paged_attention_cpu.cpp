@@ -13,6 +13,7 @@
 // Two paths (AVX2+FMA, float32 and bfloat16 storage, head size a multiple of 8):
 //   paged_attention_rows.h   decodes and short chunks: each (query, head) row on its own
 //   paged_attention_tiled.h  prompt chunks: the rows of a kv head as small register-tiled products
+//                            (with AVX-512: over spans of blocks, paged_attention_span.h)
 // and, with AVX-512, bfloat16 decodes of head size 64 or 128 on paged_attention_decode.h (the G
 // heads of a kv head through each K/V row together).
 // Built for the CPU it runs on: with AVX-512, the rows' dot products and P·V sums and the tiles'
@@ -23,6 +24,7 @@
 #include "paged_attention_common.h"
 #include "paged_attention_decode.h"
 #include "paged_attention_rows.h"
+#include "paged_attention_span.h"
 #include "paged_attention_tiled.h"
 
 namespace {
@@ -34,7 +36,7 @@ constexpr int64_t kTiledMinRows = 8;
 // blocks read those blocks together, up to kShareChunk sequences per work item.
 constexpr int64_t kShareMinSeqs = 4;
 constexpr int64_t kShareMinBlocks = 4;
-constexpr int64_t kShareChunk = 16;
+constexpr int64_t kShareChunk = 32;
 static_assert(kShareChunk <= kQueryChunk, "a shared-prefix item's rows must fit an item's work buffer");
 
 struct SharedPrefix {
@@ -101,7 +103,11 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
       for (int64_t kh0 = 0; kh0 < s.KVH; kh0 += kv_per_item)
         items.push_back({b, i0, std::min(qn, i0 + kQueryChunk), kh0, std::min(s.KVH, kh0 + kv_per_item)});
   }
+#ifdef PS_HAVE_AVX2
+  const int64_t W = tile_width(s);  // at least a block rounded up to 8 keys, what the row path takes
+#else
   const int64_t W = (s.BS + 7) / 8 * 8;
+#endif
   const size_t work_floats =
       static_cast<size_t>(kQueryChunk * kv_per_item * G * (2 * s.D + W + 8) + s.D * W + W + 16);
 #ifdef PS_HAVE_AVX2

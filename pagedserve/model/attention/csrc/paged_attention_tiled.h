@@ -6,32 +6,15 @@
 // matrix product, 6 rows x 16 keys of accumulators with broadcast queries (no horizontal sums),
 // and P·V is 6 rows x 16 dims. Both do ~0.7 loads per FMA instead of ~1.1 plus a transpose-sum
 // per 8 scores. A 512-token prompt's attention: 1.2-1.3x faster than the row-at-a-time path.
+// Built with AVX-512, head sizes that are a multiple of 16 walk the context in spans of blocks
+// instead (paged_attention_span.h); the rows' state and the callers here are shared.
 #pragma once
 #include "paged_attention_common.h"
+#include "paged_attention_span.h"
 
 namespace {
 
 #ifdef PS_HAVE_AVX2
-
-// out[0..8) = the 8x8 transpose of rows r[0..8)
-inline void transpose8x8(__m256* r) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
 
 // KT[d * W + t] = k_t[d] for the block's first nv tokens (rows `stride` apart), 0 for t in [nv, W)
 template <typename T>
@@ -236,12 +219,25 @@ struct TileState {
   }
 };
 
+// The width of a TileState's score rows and transposed keys: a span of blocks on the AVX-512
+// walk (paged_attention_span.h), else one block rounded up to 8 keys.
+inline int64_t tile_width(const Shape& s) {
+#ifdef PS_HAVE_AVX512
+  if (span_path(s)) return span_width(s.BS);
+#endif
+  return (s.BS + 7) / 8 * 8;
+}
+
 // Adds blocks [blk0, blk1) of `table` (tokens [blk0*BS, end) of the context, for the kv head at
-// element offset hoff of a token row) to the rows' state. fill_n(t0) sets n_of[r], the keys of
-// the block at token t0 that row r sees (≤ 0: none).
+// element offset hoff of a token row) to the rows' state, built with width tile_width(s).
+// fill_n(t0, n) sets n_of[r], how many of the n keys from token t0 on row r sees (≤ 0: none):
+// one block of keys at a time here, a span of blocks on the AVX-512 walk.
 template <typename T, typename FillN>
 void tiled_blocks(TileState& st, const T* kc, const T* vc, const int64_t* table, int64_t blk0, int64_t blk1,
                   int64_t end, int64_t hoff, const Shape& s, FillN fill_n) {
+#ifdef PS_HAVE_AVX512
+  if (span_path(s)) return span_walk(st, kc, vc, table, blk0, blk1, end, hoff, s, fill_n);
+#endif
   const int64_t D = s.D, RK = st.RK, row_stride = s.KVH * D, W = (s.BS + 7) / 8 * 8;
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), ninf = _mm256_set1_ps(kNegInf);
   for (int64_t blk = blk0; blk < blk1; ++blk) {
@@ -254,7 +250,7 @@ void tiled_blocks(TileState& st, const T* kc, const T* vc, const int64_t* table,
       const int64_t nb = table[blk + 1] * s.BS * row_stride;
       pf = BlockPrefetch<T>(kc + nb, vc + nb, s.BS, row_stride, hoff, hoff + D, 2);
     }
-    fill_n(t0);
+    fill_n(t0, s.BS);
     pf.step();
     transpose_keys(block_k, row_stride, nv, D, W, st.KT);
     for (int64_t k0 = 0; k0 < W / 8; k0 += 2) {
@@ -292,14 +288,14 @@ void tiled_blocks(TileState& st, const T* kc, const T* vc, const int64_t* table,
 template <typename T>
 void kv_head_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t q_first_pos, int64_t qn,
                    int64_t h_first, int64_t G, const Shape& s, T* out, float* work) {
-  const int64_t D = s.D, W = (s.BS + 7) / 8 * 8;
-  TileState st(work, qn * G, D, W);
+  const int64_t D = s.D;
+  TileState st(work, qn * G, D, tile_width(s));
   for (int64_t i = 0; i < qn; ++i)
     for (int64_t g = 0; g < G; ++g) st.start_row(i * G + g, q + (i * s.H + h_first + g) * D, D, s.scale);
   const int64_t last = q_first_pos + qn - 1;
-  tiled_blocks(st, kc, vc, table, 0, last / s.BS + 1, last + 1, h_first / G * D, s, [&](int64_t t0) {
+  tiled_blocks(st, kc, vc, table, 0, last / s.BS + 1, last + 1, h_first / G * D, s, [&](int64_t t0, int64_t n) {
     for (int64_t i = 0; i < qn; ++i)
-      for (int64_t g = 0; g < G; ++g) st.n_of[i * G + g] = std::min(s.BS, q_first_pos + i + 1 - t0);
+      for (int64_t g = 0; g < G; ++g) st.n_of[i * G + g] = std::min(n, q_first_pos + i + 1 - t0);
   });
   for (int64_t i = 0; i < qn; ++i)
     for (int64_t g = 0; g < G; ++g) {
@@ -319,12 +315,12 @@ template <typename T>
 void shared_prefix_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, const int64_t* q_starts,
                          const int64_t* members, int64_t n_members, int64_t blocks, int64_t kh, const Shape& s,
                          float* state, float* work) {
-  const int64_t D = s.D, G = s.H / s.KVH, W = (s.BS + 7) / 8 * 8;
-  TileState st(work, n_members * G, D, W);
+  const int64_t D = s.D, G = s.H / s.KVH;
+  TileState st(work, n_members * G, D, tile_width(s));
   for (int64_t j = 0; j < n_members; ++j)
     for (int64_t g = 0; g < G; ++g) st.start_row(j * G + g, q + (q_starts[members[j]] * s.H + kh * G + g) * D, D, s.scale);
   tiled_blocks(st, kc, vc, table, 0, blocks, blocks * s.BS, kh * D, s,
-               [&](int64_t) { std::fill(st.n_of, st.n_of + st.RK, s.BS); });
+               [&](int64_t, int64_t n) { std::fill(st.n_of, st.n_of + st.RK, n); });
   for (int64_t j = 0; j < n_members; ++j)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = j * G + g;
