@@ -119,6 +119,11 @@ inline void transpose8x8(__m256* r) {
 }
 
 #ifdef PS_HAVE_AVX512
+// lanes [0, n) of a 16-lane mask
+inline __mmask16 lanes_below(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // exp16 is exp8 on 16 lanes (same reduction and polynomial).
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));

@@ -24,7 +24,6 @@
 #include "paged_attention_common.h"
 #include "paged_attention_decode.h"
 #include "paged_attention_rows.h"
-#include "paged_attention_span.h"
 #include "paged_attention_tiled.h"
 
 namespace {

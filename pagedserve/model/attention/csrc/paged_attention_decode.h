@@ -84,7 +84,7 @@ void item_decode(const T* q, const T* kc, const T* vc, const int64_t* table, int
     }
     for (int64_t j = 0; j < bn; j += kSpan) {
       const int64_t n = std::min<int64_t>(kSpan, bn - j);
-      const __mmask16 valid = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+      const __mmask16 valid = lanes_below(n);
       // Three passes over the item's kv heads, as in item_avx2: the softmax step is a long chain
       // (max tree, exp, sum tree) that the CPU overlaps across heads only when they come together.
       // 1. scores of every head for the span's n keys, KC keys at a time

@@ -26,11 +26,6 @@ inline bool span_path(const Shape& s) { return s.D % 16 == 0; }
 inline int64_t span_blocks(int64_t BS) { return std::max<int64_t>(1, kSpanKeys / BS); }
 inline int64_t span_width(int64_t BS) { return (span_blocks(BS) * BS + 15) / 16 * 16; }
 
-// lanes [0, n) of a 16-lane mask
-inline __mmask16 lanes_below(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
-}
-
 // KT[d * SW + t] = key t of the span (token t % BS of block t / BS, rows `stride` apart) for t < nk,
 // 0 for t in [nk, SW)
 template <typename T>
