@@ -7,6 +7,7 @@ prints median milliseconds and B/A speed ratios (> 1: this checkout is faster):
     python benchmarks/cpu_attention_ab.py --base fb048ad          # against session 3's kernel
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --cases W1-decode,prompt-512
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --dtype bfloat16    # bfloat16 caches and queries
+    python benchmarks/cpu_attention_ab.py --base HEAD~1 --cold     # caches evicted before every call
 
 Cases (small model: 8 heads, 4 kv heads, head size 64, block size 16, float32 unless --dtype):
   W1-decode     256 decodes, contexts 128-256, blocks in allocation order (memory-bound)
@@ -33,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pagedserve.model.attention import cpu_kernels  # noqa: E402
+from pagedserve.runner.cpu_memory import zeroed_cpu_tensor  # noqa: E402
 
 CSRC = "pagedserve/model/attention/csrc"
 H, KVH, D, BS = 8, 4, 64, 16
@@ -58,6 +60,14 @@ def checkout_kernel(rev: str, dest: Path) -> Path:
     return dest
 
 
+def in_pool_memory(t: torch.Tensor) -> torch.Tensor:
+    """t copied into memory like the engine's KV pool: 2 MiB aligned, asked for huge pages
+    (runner/cpu_memory.py); a random block walk over 4 KiB pages misses the TLB far more often."""
+    pool, _ = zeroed_cpu_tensor(t.shape, t.dtype)
+    pool.copy_(t)
+    return pool
+
+
 def make_case(dtype: torch.dtype, n_seqs: int, lo: int, hi: int, *, qn: int = 1, shuffle: bool = False,
               shared: bool = False):
     rng = np.random.default_rng(0)
@@ -71,7 +81,7 @@ def make_case(dtype: torch.dtype, n_seqs: int, lo: int, hi: int, *, qn: int = 1,
         bt[b, :nb] = torch.arange(nb) if shared else torch.from_numpy(ids[k:k + nb])
         k += 0 if shared else nb
     g = torch.Generator().manual_seed(0)
-    kc, vc = (torch.randn(total, BS, KVH, D, generator=g).to(dtype) for _ in range(2))
+    kc, vc = (in_pool_memory(torch.randn(total, BS, KVH, D, generator=g).to(dtype)) for _ in range(2))
     q = torch.randn(n_seqs * qn, H, D, generator=g).to(dtype)
     starts = torch.arange(n_seqs + 1, dtype=torch.int64) * qn
     return q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int64), starts
@@ -87,9 +97,30 @@ CASES = {
 }
 
 
-def call(fn, case, threads: int):
+# --cold: written before every call, so the call finds its K/V in memory rather than in the caches,
+# as in the engine, where the other layers' K/V and weights pass through between two calls of a layer
+_EVICT = None
+
+
+def evict_caches():
+    global _EVICT
+    if _EVICT is None:
+        _EVICT = torch.empty(64 << 20, dtype=torch.uint8)  # 2x this class of CPU's L3
+    _EVICT.fill_(1)
+
+
+def kv_bytes_read(case) -> int:
+    """The bytes of K and V the call must read at least once: each sequence's blocks, a shared one once."""
+    q, kc, vc, bt, lens, starts = case
+    blocks = {int(x) for b in range(lens.shape[0]) for x in bt[b, :(int(lens[b]) + BS - 1) // BS]}
+    return 2 * len(blocks) * BS * KVH * D * kc.element_size()
+
+
+def call(fn, case, threads: int, cold: bool = False):
     q, kc, vc, bt, lens, starts = case
     out = torch.empty_like(q)
+    if cold:
+        evict_caches()
     t = time.perf_counter()
     fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), bt.data_ptr(), lens.data_ptr(), starts.data_ptr(), out.data_ptr(),
        lens.shape[0], H, KVH, D, BS, bt.shape[1], D ** -0.5, threads)
@@ -103,6 +134,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=9, help="alternated calls per version and case")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--cold", action="store_true", help="evict the caches before every call (the engine's case)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     # both versions sum in float32; bfloat16 outputs may then round one unit apart
@@ -113,20 +145,22 @@ def main() -> int:
         base = build(checkout_kernel(args.base, tmp / "base"), tmp / "base.so", dtype)
         this = build(ROOT / CSRC, tmp / "this.so", dtype)
         print(f"paged attention, {args.dtype}, {args.threads} threads: {args.base} (A) vs this checkout (B); "
-              f"medians of {args.repeats}")
+              f"medians of {args.repeats}{', caches evicted before each call' if args.cold else ''}")
         for name in args.cases.split(","):
             case = make_case(dtype, **CASES[name])
             times = {"A": [], "B": []}
             for r in range(args.repeats):
-                ta, oa = call(base, case, args.threads)
-                tb, ob = call(this, case, args.threads)
+                ta, oa = call(base, case, args.threads, args.cold)
+                tb, ob = call(this, case, args.threads, args.cold)
                 times["A"].append(ta)
                 times["B"].append(tb)
                 if r == 0 and not torch.allclose(oa.float(), ob.float(), atol=tol, rtol=tol):
                     print(f"{name}: outputs differ (max {(oa.float() - ob.float()).abs().max():.2e})", file=sys.stderr)
                     return 1
             a, b = statistics.median(times["A"]), statistics.median(times["B"])
-            print(f"  {name:12s} A {a * 1e3:8.2f} ms   B {b * 1e3:8.2f} ms   B/A speed {a / b:5.2f}x")
+            kv_bytes = kv_bytes_read(case)
+            print(f"  {name:12s} A {a * 1e3:8.2f} ms   B {b * 1e3:8.2f} ms   B/A speed {a / b:5.2f}x   "
+                  f"(K/V read: {kv_bytes / 1e6:.1f} MB, B {kv_bytes / b / 1e9:.1f} GB/s)")
     return 0
 
 
