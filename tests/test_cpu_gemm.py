@@ -9,7 +9,7 @@ from torch import nn
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model import cpu_gemm
-from pagedserve.model.cpu_linear import pack_linears
+from pagedserve.model.cpu_linear import PackedLinear, pack_linears
 from hf_reference import hf_greedy, hf_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.usable(), reason="native GEMM needs a C++ compiler and an AVX2/FMA CPU")
@@ -171,18 +171,41 @@ def test_pack_linears_swaps_every_float32_linear():
     assert torch.allclose(model(x), want, rtol=1e-4, atol=1e-5)
 
 
-def test_pack_linears_takes_bf16_linears_only_without_amx(monkeypatch):
-    model = nn.Sequential(nn.Linear(64, 48), nn.SiLU(), nn.Linear(48, 16, bias=False)).bfloat16()
-    x = torch.randn(5, 64).bfloat16()
+def test_pack_linears_sends_bf16_linears_to_onednn_with_amx_and_native_gemm_without(monkeypatch):
+    def model_and_input():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 48), nn.SiLU(), nn.Linear(48, 16, bias=False)).bfloat16()
+        return model, torch.randn(5, 64).bfloat16()
+
+    model, x = model_and_input()
     want = model(x).float()
     monkeypatch.setattr(cpu_gemm, "amx", lambda: True)  # oneDNN's AMX bf16 GEMM is the faster one there
-    assert pack_linears(model, batch_hint=8) == (0, "native GEMM")
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert pack_linears(model, batch_hint=8) == (2, "oneDNN")
+        assert all(isinstance(model[i], PackedLinear) for i in (0, 2))
+        got = model(x)
+        assert got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+    else:  # oneDNN refuses bfloat16 on this CPU: the layers stay torch's, not the native GEMM's
+        assert pack_linears(model, batch_hint=8)[0] == 0
+    model, x = model_and_input()
     monkeypatch.setattr(cpu_gemm, "amx", lambda: False)
     assert pack_linears(model, batch_hint=8) == (2, "native GEMM")
     assert isinstance(model[0], cpu_gemm.NativeLinear) and model[0].packed.dtype == torch.bfloat16
     got = model(x)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_pack_linears_mixes_paths_by_dtype(monkeypatch):
+    # a float32 head on a bfloat16 body (or the reverse) takes each dtype's own best path
+    monkeypatch.setattr(cpu_gemm, "amx", lambda: True)
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("oneDNN takes no bfloat16 on this CPU")
+    model = nn.Sequential(nn.Linear(32, 24).bfloat16(), nn.Linear(24, 8))
+    n, path = pack_linears(model, batch_hint=4)
+    assert n == 2 and path == "oneDNN + native GEMM"
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1], cpu_gemm.NativeLinear)
 
 
 @pytest.fixture
@@ -213,8 +236,8 @@ def test_engine_greedy_matches_transformers_on_each_linear_path(llama_dir, monke
         assert o.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(p), 8)
 
 
-@pytest.mark.parametrize("gemm", ["dot", "widen", "avx2"])
-def test_engine_bf16_on_native_gemm_tracks_transformers_bf16(llama_dir, monkeypatch, restore_avx512, gemm):
+@pytest.mark.parametrize("gemm", ["dot", "widen", "avx2", "onednn"])
+def test_engine_bf16_on_each_gemm_tracks_transformers_bf16(llama_dir, monkeypatch, restore_avx512, gemm):
     # bfloat16 rounds differently in every engine, so greedy paths of a random-weight model (flat
     # logits, many near-ties) may part; what must hold is that every token we pick is one
     # transformers bfloat16 also rates (near-)top, with about the logprob it gives it.
@@ -222,14 +245,23 @@ def test_engine_bf16_on_native_gemm_tracks_transformers_bf16(llama_dir, monkeypa
         pytest.skip("the same as avx2 on a CPU without AVX-512")
     if gemm == "dot" and not _DOT:
         pytest.skip("the same as widen on a CPU without AVX512-BF16")
-    assert cpu_gemm.set_bf16_dot(gemm == "dot") == (gemm == "dot")
-    monkeypatch.setattr(cpu_gemm, "amx", lambda: False)  # with AMX, bf16 layers stay torch's
+    if gemm == "onednn" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN takes no bfloat16 on this CPU")
+    if gemm != "onednn":
+        assert cpu_gemm.set_bf16_dot(gemm == "dot") == (gemm == "dot")
+    # with AMX (real or not) bf16 layers go to oneDNN prepacked, without it to the native GEMM
+    monkeypatch.setattr(cpu_gemm, "amx", lambda: gemm == "onednn")
     monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "avx2" if gemm == "avx2" else "native")
     prompts = random_prompts(3, 300, [6, 45, 120], seed=5)
     llm = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256)
-    natives = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, cpu_gemm.NativeLinear)]
-    assert natives and all(m.packed.dtype == torch.bfloat16 and m.packed.k_pairs == (gemm != "avx2")
-                           for m in natives)
+    modules = list(llm.llm_engine.runner.model.modules())
+    if gemm == "onednn":
+        assert not any(isinstance(m, (nn.Linear, cpu_gemm.NativeLinear)) for m in modules)
+        assert any(isinstance(m, PackedLinear) for m in modules)
+    else:
+        natives = [m for m in modules if isinstance(m, cpu_gemm.NativeLinear)]
+        assert natives and all(m.packed.dtype == torch.bfloat16 and m.packed.k_pairs == (gemm != "avx2")
+                               for m in natives)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
     for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], sp)):
         ids = o.outputs[0].token_ids
