@@ -29,7 +29,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _fn(name: str, dtype: torch.dtype):
-    return getattr(_native.lib, f"{name}_{_SUFFIX[dtype]}")
+    # load(), not .lib: a caller that skipped usable() (NativeGateUp's fallback) still gets the library
+    return getattr(_native.load(), f"{name}_{_SUFFIX[dtype]}")
 
 
 def load():

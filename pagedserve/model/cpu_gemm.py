@@ -85,8 +85,8 @@ DTYPES = (torch.float32, torch.bfloat16)  # what pack_weight takes
 
 
 def amx() -> bool:
-    """Whether this CPU has AMX tiles, whose bfloat16 matrix units oneDNN (behind torch's linear)
-    uses: there bfloat16 layers are left to torch."""
+    """Whether this CPU has AMX tiles, whose bfloat16 matrix units oneDNN uses: there bfloat16
+    layers go to oneDNN prepacked (cpu_linear), not to the native GEMM."""
     return torch.cpu._is_amx_tile_supported()
 
 

@@ -81,8 +81,9 @@ def _packers(batch_hint: int):
     packers = []
     if os.environ.get("PAGEDSERVE_CPU_GEMM", "native") != "onednn" and cpu_gemm.usable():
         packers.append(("native GEMM", _native_linear, cpu_gemm.fast_dtypes()))
-    if _onednn_dtypes():
-        packers.append(("oneDNN", lambda layer: _pack_onednn(layer, batch_hint), _onednn_dtypes()))
+    onednn_dtypes = _onednn_dtypes()
+    if onednn_dtypes:
+        packers.append(("oneDNN", lambda layer: _pack_onednn(layer, batch_hint), onednn_dtypes))
     return packers
 
 
