@@ -105,17 +105,33 @@ def test_rope_bf16_writes_the_cache_bit_for_bit_as_the_torch_path():
     assert torch.equal(v_cache[slot_mapping], v.reshape(t, kvh, d))
 
 
-def test_argmax_first_on_ties_and_nan_largest():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_first_on_ties_and_nan_largest(dtype):
     x = torch.randn(6, 1003, generator=torch.Generator().manual_seed(3))
     x[1, 10] = x[1, 900] = 50.0  # tie: the first wins
     x[2, 1002] = 60.0  # in the scalar tail
     x[3, 5] = float("nan")
     x[3, 7] = 80.0
     x[4] = float("-inf")
-    assert cpu_fused.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    x[5, 600] = x[5, 601] = 70.0  # a tie inside one vector
+    x = x.to(dtype)
+    assert cpu_fused.argmax(x).tolist() == x.float().argmax(dim=-1).tolist()
     assert cpu_fused.argmax(x).tolist()[1:4] == [10, 1002, 5]
-    short = torch.randn(3, 5)  # rows shorter than a vector
-    assert torch.equal(cpu_fused.argmax(short), short.argmax(dim=-1))
+    assert cpu_fused.argmax(x).tolist()[5] == 600
+    short = torch.randn(3, 5).to(dtype)  # rows shorter than a vector
+    assert torch.equal(cpu_fused.argmax(short), short.float().argmax(dim=-1))
+
+
+def test_greedy_bf16_tokens_same_whether_or_not_logits_are_widened(llama_dir):
+    """A greedy batch that asks for nothing else takes the argmax of the bfloat16 LM head output
+    as it is; asking for logprobs widens the logits to float32 first. Same tokens either way."""
+    prompts = random_prompts(6, 300, [5, 40, 17], seed=11)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    llm = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256)
+    plain = llm.generate(reqs, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    with_lp = llm.generate(reqs, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1))
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in with_lp]
+    assert all(len(o.outputs[0].token_ids) == 10 for o in plain)
 
 
 def test_engine_greedy_same_with_and_without_fused_ops(llama_dir, monkeypatch):

@@ -4,7 +4,7 @@ One pass each for RMSNorm (with the residual add before it), SiLU·mul, rotary e
 K/V cache write, and argmax; torch needs 3 to 14 ops for each. `usable(x)` says whether a tensor
 can take them: float32 or bfloat16 (rounded between ops as torch's bfloat16 ops round), on the
 CPU, and the library built (PAGEDSERVE_CPU_KERNELS=0 or a missing compiler leave the model on its
-torch ops, which compute the same thing). argmax takes float32 only (logits are float32).
+torch ops, which compute the same thing).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ _native = native_build.NativeLibrary(_SRC, _FLAGS, "libpagedserve_ops.so", {
     **{f"rms_norm_{t}": (None, [_P, _I, _P, _P, _P, _I, _I, _I, _F, _N]) for t in ("f32", "bf16")},
     **{f"silu_mul_{t}": (None, [_P, _P, _I, _I, _N]) for t in ("f32", "bf16")},
     **{f"rope_qkv_{t}": (None, [_P] * 8 + [_I] * 4 + [_N]) for t in ("f32", "bf16")},
-    "argmax_f32": (None, [_P, _I, _I, _P, _N]),
+    **{f"argmax_{t}": (None, [_P, _I, _I, _P, _N]) for t in ("f32", "bf16")},
 }, "fused CPU ops", "using torch ops")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -83,10 +83,10 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax of x [R, V] (first index on ties, NaN largest, as torch.argmax)."""
-    if x.dtype != torch.float32:
+    if x.dtype not in _SUFFIX or x.device.type != "cpu":
         return x.argmax(dim=-1)
     x = x.contiguous()
     r, v = x.shape
     out = torch.empty(r, dtype=torch.int64)
-    _native.lib.argmax_f32(x.data_ptr(), r, v, out.data_ptr(), torch.get_num_threads())
+    _fn("argmax", x.dtype)(x.data_ptr(), r, v, out.data_ptr(), torch.get_num_threads())
     return out

@@ -136,8 +136,10 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, positions, self.rope, meta, cache, backend)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits in float32 as transformers gives them; upcast=False leaves the LM head's dtype."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     # ---- weights ----------------------------------------------------------------------------
     def load_hf_state_dict(self, tensors) -> None:

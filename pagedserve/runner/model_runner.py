@@ -129,11 +129,13 @@ class ModelRunner:
 
         sampling = [(i, e) for i, e in enumerate(entries) if e.start + e.num_new_tokens == e.seq.num_tokens]
         if sampling:
-            with phase("logits"):  # the LM head, only for the rows that sample
-                rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
-                logits = self.model.compute_logits(hidden[rows])
             with phase("sample"):
                 batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.device)
+            with phase("logits"):  # the LM head, only for the rows that sample
+                rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
+                # a batch that only takes argmaxes skips the float32 copy of bfloat16 logits
+                logits = self.model.compute_logits(hidden[rows], upcast=not batch.argmax_only)
+            with phase("sample"):
                 tokens = self.sampler(logits, batch)
                 result.sampled = [(e, t) for (_, e), t in zip(sampling, tokens)]
 

@@ -56,6 +56,9 @@ class SamplingBatch:
                 ids = p._all_stop_token_ids  # stop ids plus EOS unless ignore_eos
                 if ids:
                     self.min_token_masks.append((i, sorted(ids)))
+        # nothing but the argmax reads the logits: the LM head's own dtype will do (Sampler.__call__)
+        self.argmax_only = (self.all_greedy and self.max_logprobs < 0 and not self.penalty_rows
+                            and not self.min_token_masks)
 
 
 class Sampler:
@@ -88,7 +91,10 @@ class Sampler:
         return seq.generator
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
-        """logits: [B, V] float32 (modified in place)."""
+        """logits: [B, V] float32 (modified in place); when batch.argmax_only, any float dtype (a bfloat16
+        LM head's output as it is: widening to float32 would not change the argmax)."""
+        if batch.argmax_only:
+            return [SampledToken(t) for t in _argmax(logits).tolist()]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         if batch.penalty_rows:
             self._apply_penalties(logits, batch)
@@ -151,5 +157,5 @@ class Sampler:
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     # torch's argmax over [256, 32000] float32 took ~9 ms on 2 cores; the native one reads the
-    # rows once at memory speed
+    # rows once at memory speed (float32 or bfloat16)
     return cpu_fused.argmax(logits) if cpu_fused.usable(logits) else logits.argmax(dim=-1)

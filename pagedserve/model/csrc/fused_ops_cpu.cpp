@@ -166,6 +166,58 @@ void rope_qkv(const T* qkv, const int64_t* positions, const float* cos_t, const 
   }
 }
 
+// Index of the largest value of each row of x [R, V], the first one on ties; a NaN counts as the
+// largest, as in torch.argmax. bfloat16 rows: greedy sampling straight from a bfloat16 LM head
+// (widening to float32 is exact, so the index is the float32 logits' one) reads half the bytes
+// and skips the float32 copy.
+template <typename T>
+void argmax(const T* x, int64_t R, int64_t V, int64_t* out, int nthreads) {
+#pragma omp parallel for num_threads(threads_for(R * V, nthreads)) schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const T* row = x + r * V;
+    int64_t i = 0;
+    float m = -INFINITY;
+    bool nan = false;
+#ifdef PS_HAVE_AVX2
+    if (V >= 8) {
+      __m256 mv = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+      for (; i + 8 <= V; i += 8) {
+        const __m256 v = load8(row + i);
+        mv = _mm256_max_ps(mv, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mv);
+      for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+      nan = _mm256_movemask_ps(unordered) != 0;
+    }
+#endif
+    for (; i < V; ++i) {
+      const float v = load(row + i);
+      nan = nan || std::isnan(v);
+      m = v > m ? v : m;
+    }
+    // second pass: the first lane holding m (or the first NaN); the row is still in cache
+    int64_t best = -1, j = 0;
+#ifdef PS_HAVE_AVX2
+    const __m256 mset = _mm256_set1_ps(m);
+    for (; j + 8 <= V; j += 8) {
+      const __m256 v = load8(row + j);
+      const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, mset, _CMP_EQ_OQ));
+      if (hit) {
+        best = j + __builtin_ctz(hit);
+        break;
+      }
+    }
+#endif
+    for (; best < 0 && j < V; ++j) {
+      const float v = load(row + j);
+      if (nan ? std::isnan(v) : v == m) best = j;
+    }
+    out[r] = best < 0 ? 0 : best;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -193,41 +245,10 @@ void rope_qkv_bf16(const uint16_t* qkv, const int64_t* positions, const float* c
   rope_qkv(qkv, positions, cos_t, sin_t, slots, q_out, k_cache, v_cache, T, H, KVH, D, nthreads);
 }
 
-// Index of the largest value of each row of x [R, V], the first one on ties; a NaN counts as the
-// largest, as in torch.argmax.
-void argmax_f32(const float* x, int64_t R, int64_t V, int64_t* out, int nthreads) {
-#pragma omp parallel for num_threads(threads_for(R * V, nthreads)) schedule(static)
-  for (int64_t r = 0; r < R; ++r) {
-    const float* row = x + r * V;
-    int64_t i = 0;
-    float m = -INFINITY;
-    bool nan = false;
-#ifdef PS_HAVE_AVX2
-    if (V >= 8) {
-      __m256 mv = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
-      for (; i + 8 <= V; i += 8) {
-        const __m256 v = _mm256_loadu_ps(row + i);
-        mv = _mm256_max_ps(mv, v);
-        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, mv);
-      for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
-      nan = _mm256_movemask_ps(unordered) != 0;
-    }
-#endif
-    for (; i < V; ++i) {
-      nan = nan || std::isnan(row[i]);
-      m = row[i] > m ? row[i] : m;
-    }
-    int64_t best = 0;
-    for (int64_t j = 0; j < V; ++j)
-      if (nan ? std::isnan(row[j]) : row[j] == m) {
-        best = j;
-        break;
-      }
-    out[r] = best;
-  }
+// first index of each row's largest value (a NaN counts as the largest), as torch.argmax
+void argmax_f32(const float* x, int64_t R, int64_t V, int64_t* out, int nthreads) { argmax(x, R, V, out, nthreads); }
+void argmax_bf16(const uint16_t* x, int64_t R, int64_t V, int64_t* out, int nthreads) {
+  argmax(x, R, V, out, nthreads);
 }
 
 int fused_ops_vectorized() {
