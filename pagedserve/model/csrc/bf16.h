@@ -6,7 +6,7 @@
 
 #include <cmath>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -47,6 +47,24 @@ inline __m128i pack8(__m256 v) {
 inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack8(v)); }
 // v as bfloat16 would hold it, widened back
 inline __m256 round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits8(v), 16)); }
+#endif
+
+#if defined(__AVX512F__)
+// the 16-lane forms of load8 / bits8 / store8 / round8
+inline __m512 load16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512i bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+}
+inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits16(v)));
+}
+inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits16(v), 16)); }
 #endif
 
 }  // namespace bf16
