@@ -82,8 +82,9 @@ def rope_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax of x [R, V] (first index on ties, NaN largest, as torch.argmax)."""
-    if x.dtype not in _SUFFIX or x.device.type != "cpu":
+    """Row-wise argmax of x [R, V] (first index on ties, NaN largest, as torch.argmax); torch's own
+    where the native ops cannot take x."""
+    if not usable(x):
         return x.argmax(dim=-1)
     x = x.contiguous()
     r, v = x.shape
