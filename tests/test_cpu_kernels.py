@@ -162,3 +162,55 @@ def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head
     want = _reference(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
     # half a bfloat16 unit of the result, plus float32 summation-order slack
     assert ((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-5).all()
+
+
+# (heads, kv_heads, head_dim, block_size): the small model's shape; 64-key spans of 8-token
+# blocks; one 128-key block (two score tile groups); head size 128 (two tile groups of dims);
+# head size 96 (a group of 64 dims and one of 32) with 48-key spans of 24-token blocks; G = 1
+@pytest.mark.parametrize("heads, kv_heads, head_dim, bs", [(8, 4, 64, 16), (4, 4, 64, 8), (8, 2, 64, 128),
+                                                           (8, 2, 128, 32), (6, 2, 96, 24), (4, 4, 64, 16)])
+def test_bf16_prompt_chunks_on_amx_within_rounding_of_float32_attention(heads, kv_heads, head_dim, bs):
+    """bfloat16 prompt chunks on the AMX tiles (where this CPU has them) against a float32
+    reference on the same inputs, with the pool's unused slots holding NaN: the tile products are
+    exact and sum in float32, so the output may differ only by its final rounding and the
+    probabilities' rounding to bfloat16 (2^-9 of each weight), and never read a slot past the
+    context. The tiled path must agree with it to the same bound."""
+    _kernel_or_skip()
+    if not cpu_kernels.set_amx(True):
+        pytest.skip("no AMX-BF16 on this CPU (or the OS does not grant the tiles)")
+    g = torch.Generator().manual_seed(5)
+    n_blocks = 120
+    kc, vc = (torch.full((n_blocks, bs, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    # decodes, a chunk after cached context, whole prompts over several query chunks, a prompt
+    # ending one token into a block
+    lens = [1, 60, 300, 75, 2 * bs + 1, 190]
+    q_lens = [1, 1, 100, 75, 2 * bs + 1, 33]
+    perm = iter(torch.randperm(n_blocks, generator=g).tolist())
+    tables = [[next(perm) for _ in range(-(-n // bs))] for n in lens]
+    for t, n in zip(tables, lens):
+        pos = torch.arange(n)
+        slots = torch.tensor(t)[pos // bs] * bs + pos % bs
+        for cache in (kc, vc):
+            cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(torch.bfloat16)
+    starts = torch.tensor([0] + q_lens).cumsum(0)
+    scale = head_dim ** -0.5
+    got = {}
+    try:
+        for amx in (True, False):
+            cpu_kernels.set_amx(amx)
+            got[amx] = cpu_kernels.paged_attention(q, kc, vc, bt, torch.tensor(lens), starts, scale).float()
+    finally:
+        cpu_kernels.set_amx(True)
+    for b, (n, qn) in enumerate(zip(lens, q_lens)):
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        want = torch.cat([_reference(q[starts[b] + i:starts[b] + i + 1], kc, vc, bt[b:b + 1],
+                                     torch.tensor([n - qn + i + 1]), scale) for i in range(qn)])
+        vmax = vc.view(-1, kv_heads, head_dim)[torch.tensor(tables[b])[torch.arange(n) // bs] * bs
+                                               + torch.arange(n) % bs].float().abs().max()
+        bound = want.abs() * 2.0 ** -8 + vmax * 2.0 ** -9 + 1e-5
+        for amx in (True, False):
+            assert torch.isfinite(got[amx][rows]).all(), (b, amx)
+            assert ((got[amx][rows] - want).abs() <= bound).all(), (b, amx)

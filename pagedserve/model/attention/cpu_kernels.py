@@ -25,7 +25,8 @@ _ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c
 _native = native_build.NativeLibrary(
     _SRC, _FLAGS, "libpagedserve_cpu.so",
     {**{name: (None, _ARGS) for name in _FN.values()}, "paged_attention_vectorized": (ctypes.c_int, []),
-     "paged_attention_set_decode_kernel": (ctypes.c_int, [ctypes.c_int])},
+     "paged_attention_set_decode_kernel": (ctypes.c_int, [ctypes.c_int]),
+     "paged_attention_set_amx": (ctypes.c_int, [ctypes.c_int])},
     "CPU attention kernel", "using the torch gather path")
 
 
@@ -72,3 +73,10 @@ def set_decode_kernel(on: bool) -> bool:
     """Decodes on the AVX-512 decode kernel (True, the default) or the row path (False), for A/B
     runs and tests. Returns whether this build has the decode kernel at all."""
     return bool(load().paged_attention_set_decode_kernel(int(on)))
+
+
+def set_amx(on: bool) -> bool:
+    """bfloat16 prompt chunks on AMX tiles (True, the default, where the CPU has AMX-BF16 and the
+    OS grants the tiles) or on the AVX-512 tiled path (False), for A/B runs and tests. Returns
+    whether this build and machine have the AMX path at all."""
+    return bool(load().paged_attention_set_amx(int(on)))

@@ -21,6 +21,9 @@
 // Other head sizes and CPUs take a scalar path with the rows structure. Plain C ABI, called
 // through ctypes, so it builds in a couple of seconds without torch's headers. The headers are
 // part of the build's cache key (model/native_build.py).
+#include <type_traits>
+
+#include "paged_attention_amx.h"
 #include "paged_attention_common.h"
 #include "paged_attention_decode.h"
 #include "paged_attention_rows.h"
@@ -79,6 +82,9 @@ std::vector<SharedPrefix> find_shared_prefixes(const int64_t* bt, const int64_t*
 // (paged_attention_decode.h);
 // paged_attention_set_decode_kernel(0) sends them down the row path, for A/B runs and tests.
 bool use_decode_kernel = true;
+// Whether bfloat16 prompt chunks take the AMX tiles where this build and CPU have them
+// (paged_attention_amx.h); paged_attention_set_amx(0) sends them down the tiled path.
+bool use_amx = true;
 
 template <typename T>
 void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* seq_lens,
@@ -107,8 +113,11 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
 #else
   const int64_t W = (s.BS + 7) / 8 * 8;
 #endif
-  const size_t work_floats =
-      static_cast<size_t>(kQueryChunk * kv_per_item * G * (2 * s.D + W + 8) + s.D * W + W + 16);
+  size_t work_floats = static_cast<size_t>(kQueryChunk * kv_per_item * G * (2 * s.D + W + 8) + s.D * W + W + 16);
+#ifdef PS_HAVE_AMX
+  const bool amx = std::is_same_v<T, uint16_t> && use_amx && amx_path(s) && amx_permitted();
+  if (amx) work_floats = std::max(work_floats, amx_work_floats(kQueryChunk * G, s));
+#endif
 #ifdef PS_HAVE_AVX2
   const bool vec = s.D % 8 == 0;
   // shared-prefix pass: (group, kv head, up to kShareChunk members) items, their rows' states
@@ -137,6 +146,7 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> work(work_floats);
+    bool tiles_configured = false;  // this thread's AMX tiles, set up on its first AMX item
 #ifdef PS_HAVE_AVX2
 #pragma omp for schedule(dynamic, 1)
     for (int64_t k = 0; k < n_share; ++k) {  // (the implicit barrier: every state is written before use)
@@ -166,6 +176,15 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
       }
 #endif
       if (vec && rs.qn * G >= kTiledMinRows && blk0 == 0) {
+#ifdef PS_HAVE_AMX
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          if (amx && qn > 1) {  // (a decode's probabilities stay float32, as on its other paths)
+            if (!tiles_configured) amx_configure(), tiles_configured = true;
+            item_amx(qp, kc, vc, bt + it.b * s.MAXB, first_pos, rs, s, op, work.data());
+            continue;
+          }
+        }
+#endif
         item_tiled(qp, kc, vc, bt + it.b * s.MAXB, first_pos, rs, s, op, work.data());
         continue;
       }
@@ -177,6 +196,13 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
 #endif
       item_scalar(qp, kc, vc, bt + it.b * s.MAXB, first_pos, rs, s, op, work.data());
     }
+#ifdef PS_HAVE_AMX
+    // back to the initial state, so that no other user of the tiles on this thread (oneDNN,
+    // torch) runs on this configuration; they configure their own before use
+    if (tiles_configured) _tile_release();
+#else
+    (void)tiles_configured;
+#endif
   }
 }
 
@@ -199,6 +225,16 @@ int paged_attention_set_decode_kernel(int on) {
   use_decode_kernel = on != 0;
 #ifdef PS_HAVE_AVX512
   return 1;
+#else
+  return 0;
+#endif
+}
+// 1 = bfloat16 prompt chunks take the AMX tiles where this build and CPU have them (the default),
+// 0 = the tiled path. Returns 1 when the AMX path is built in and the OS grants the tiles.
+int paged_attention_set_amx(int on) {
+  use_amx = on != 0;
+#ifdef PS_HAVE_AMX
+  return amx_permitted() ? 1 : 0;
 #else
   return 0;
 #endif
