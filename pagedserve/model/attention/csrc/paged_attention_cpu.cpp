@@ -15,7 +15,8 @@
 //   paged_attention_tiled.h  prompt chunks: the rows of a kv head as small register-tiled products
 //                            (with AVX-512: over spans of blocks, paged_attention_span.h)
 // and, with AVX-512, bfloat16 decodes of head size 64 or 128 on paged_attention_decode.h (the G
-// heads of a kv head through each K/V row together).
+// heads of a kv head through each K/V row together); with AMX-BF16, bfloat16 prompt chunks of
+// head sizes a multiple of 32 on paged_attention_amx.h (the products as tile products).
 // Built for the CPU it runs on: with AVX-512, the rows' dot products and P·V sums and the tiles'
 // 16-key / 16-dim cases use 16-wide vectors (~1.1x on the workloads' shapes, cpu_attention_ab.py).
 // Other head sizes and CPUs take a scalar path with the rows structure. Plain C ABI, called
