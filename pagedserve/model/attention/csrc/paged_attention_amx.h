@@ -32,7 +32,6 @@
 namespace {
 
 constexpr int64_t kAmxRows = 16;  // rows of every tile here: 16 rows x 64 bytes
-constexpr int64_t kAmxSpanKeys = 64;
 
 // Linux hands out the tile state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); the permission is process-wide. Asked once; false when refused.
@@ -53,9 +52,9 @@ inline void amx_configure() {
   _tile_loadconfig(cfg);
 }
 
-// keys per span, blocks per span, and the span's width (whole 32-key chunks: the K of P V)
-inline int64_t amx_span_blocks(int64_t BS) { return std::max<int64_t>(1, kAmxSpanKeys / BS); }
-inline int64_t amx_span_width(int64_t BS) { return (amx_span_blocks(BS) * BS + 31) / 32 * 32; }
+// a span is the span walk's (span_blocks blocks, paged_attention_span.h), its width rounded up to
+// whole 32-key chunks (the K of P V)
+inline int64_t amx_span_width(int64_t BS) { return (span_blocks(BS) * BS + 31) / 32 * 32; }
 
 inline bool amx_path(const Shape& s) { return s.D % 32 == 0; }
 
@@ -116,6 +115,30 @@ inline __m512 exp16_for_bf16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The tile products of both steps: C_j = sum_c A_jc B_c for the nt <= 4 output tiles j (tmm0-3),
+// A_jc the 16 x 32 bf16 block at rows 16j.., columns 32c.. of the row-major `a` (lda elements a
+// row; tmm4), B_c the 16 pairs x 16 columns at b + 256c (tmm5, loaded once per c for all j);
+// C_j (16 x 16 float32) stored at out + 256j.
+inline void amx_tile_products(int nt, const uint16_t* a, int64_t lda, int64_t kchunks, const uint32_t* b, float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < kchunks; ++c) {
+    _tile_loadd(5, b + 256 * c, 64);
+    const uint16_t* ac = a + 32 * c;
+    _tile_loadd(4, ac, lda * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    if (nt > 1) { _tile_loadd(4, ac + 16 * lda, lda * 2); _tile_dpbf16ps(1, 4, 5); }
+    if (nt > 2) { _tile_loadd(4, ac + 32 * lda, lda * 2); _tile_dpbf16ps(2, 4, 5); }
+    if (nt > 3) { _tile_loadd(4, ac + 48 * lda, lda * 2); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, out, 64);
+  if (nt > 1) _tile_stored(1, out + 256, 64);
+  if (nt > 2) _tile_stored(2, out + 512, 64);
+  if (nt > 3) _tile_stored(3, out + 768, 64);
+}
+
 // The item's rows of one kv head (queries i of the item's qn, heads h_first + g of G): the same
 // contract as kv_head_tiled, on tiles. The caller has configured the tiles on this thread.
 // The products are transposed, scores^T = K Q^T and (P V)^T = V^T P^T, so that a row's scores
@@ -125,7 +148,7 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                         int64_t q_first_pos, int64_t qn, int64_t h_first, int64_t G, const Shape& s, uint16_t* out,
                         float* work) {
   const int64_t D = s.D, RK = qn * G, NG = (RK + kAmxRows - 1) / kAmxRows, SW = amx_span_width(s.BS);
-  const int64_t stride = s.KVH * D, NB = amx_span_blocks(s.BS), hoff = h_first / G * D;
+  const int64_t stride = s.KVH * D, NB = span_blocks(s.BS), hoff = h_first / G * D;
   float* accT = work;                                                  // [NG][D][16]
   float* m = accT + NG * D * 16;                                       // [NG][16]
   float* l = m + NG * 16;                                              // [NG][16]
@@ -167,8 +190,8 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
   const __m512 vs = _mm512_set1_ps(s.scale);
 
   const int64_t last = q_first_pos + qn - 1, end = last + 1, blk1 = last / s.BS + 1;
-  const uint16_t* kblk[kAmxSpanKeys];
-  const uint16_t* vblk[kAmxSpanKeys];
+  const uint16_t* kblk[kSpanKeys];
+  const uint16_t* vblk[kSpanKeys];
   for (int64_t b0 = 0; b0 < blk1; b0 += NB) {
     const int64_t nb = std::min(NB, blk1 - b0), t0 = b0 * s.BS, nk = std::min(nb * s.BS, end - t0);
     for (int64_t j = 0; j < nb; ++j) {
@@ -187,26 +210,9 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
       if (q_first_pos + last_row / G < t0) continue;
       const uint32_t* qt = QT2 + g * D / 2 * 16;
       // scores^T: 16 keys x 16 rows per tile, four tiles (64 keys) at a time
-      for (int64_t c0 = 0; c0 < SW; c0 += 64) {
-        const int nt = static_cast<int>(std::min<int64_t>(4, (SW - c0) / 16));
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t p0 = 0; p0 < D; p0 += 32) {
-          _tile_loadd(5, qt + p0 / 2 * 16, 64);
-          const uint16_t* ka = Kp + c0 * D + p0;
-          _tile_loadd(4, ka, D * 2);
-          _tile_dpbf16ps(0, 4, 5);
-          if (nt > 1) { _tile_loadd(4, ka + 16 * D, D * 2); _tile_dpbf16ps(1, 4, 5); }
-          if (nt > 2) { _tile_loadd(4, ka + 32 * D, D * 2); _tile_dpbf16ps(2, 4, 5); }
-          if (nt > 3) { _tile_loadd(4, ka + 48 * D, D * 2); _tile_dpbf16ps(3, 4, 5); }
-        }
-        _tile_stored(0, ST + c0 * 16, 64);
-        if (nt > 1) _tile_stored(1, ST + (c0 + 16) * 16, 64);
-        if (nt > 2) _tile_stored(2, ST + (c0 + 32) * 16, 64);
-        if (nt > 3) _tile_stored(3, ST + (c0 + 48) * 16, 64);
-      }
+      for (int64_t c0 = 0; c0 < SW; c0 += 64)
+        amx_tile_products(static_cast<int>(std::min<int64_t>(4, (SW - c0) / 16)), Kp + c0 * D, D, D / 32, qt,
+                          ST + c0 * 16);
       // the online-softmax step of the 16 rows at once; key t is seen by the rows whose query
       // sits at or after it (keys past the span's nk lie past every real query)
       const __m512i qp = _mm512_loadu_si512(qpos + g * 16);
@@ -235,26 +241,9 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
       _mm512_storeu_ps(mg, mnew);
       // (P V)^T: 16 dims x 16 rows per tile, four tiles (64 dims) at a time
       float* acc = accT + g * D * 16;
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int nt = static_cast<int>(std::min<int64_t>(4, (D - d0) / 16));
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t k0 = 0; k0 < SW; k0 += 32) {
-          _tile_loadd(5, PT2 + k0 / 2 * 16, 64);
-          const uint16_t* va = VT + d0 * SW + k0;
-          _tile_loadd(4, va, SW * 2);
-          _tile_dpbf16ps(0, 4, 5);
-          if (nt > 1) { _tile_loadd(4, va + 16 * SW, SW * 2); _tile_dpbf16ps(1, 4, 5); }
-          if (nt > 2) { _tile_loadd(4, va + 32 * SW, SW * 2); _tile_dpbf16ps(2, 4, 5); }
-          if (nt > 3) { _tile_loadd(4, va + 48 * SW, SW * 2); _tile_dpbf16ps(3, 4, 5); }
-        }
-        _tile_stored(0, OT + d0 * 16, 64);
-        if (nt > 1) _tile_stored(1, OT + (d0 + 16) * 16, 64);
-        if (nt > 2) _tile_stored(2, OT + (d0 + 32) * 16, 64);
-        if (nt > 3) _tile_stored(3, OT + (d0 + 48) * 16, 64);
-      }
+      for (int64_t d0 = 0; d0 < D; d0 += 64)
+        amx_tile_products(static_cast<int>(std::min<int64_t>(4, (D - d0) / 16)), VT + d0 * SW, SW, SW / 32, PT2,
+                          OT + d0 * 16);
       for (int64_t d = 0; d < D; ++d)
         _mm512_storeu_ps(acc + d * 16, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d * 16), alpha, _mm512_loadu_ps(OT + d * 16)));
     }
