@@ -122,6 +122,9 @@ void rms_norm(const T* x, int64_t x_stride, T* residual, const T* weight, T* out
 #ifdef __AVX512F__
         for (; i + 16 <= H; i += 16) _mm512_storeu_ps(row.data() + i, load16(h + i));
 #endif
+#ifdef PS_HAVE_AVX2
+        for (; i + 8 <= H; i += 8) _mm256_storeu_ps(row.data() + i, load8(h + i));
+#endif
         for (; i < H; ++i) row[i] = load(h + i);
         hf = row.data();
       } else {
