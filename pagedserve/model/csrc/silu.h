@@ -30,8 +30,8 @@ inline __m256 silu8(__m256 g) {
 }
 
 #ifdef __AVX512F__
-// exp8 and silu8 on 16 lanes, the same operations in the same order (every one is exactly rounded),
-// so each lane's bits are exp8's / silu8's: silu_mul may run 16 lanes at a time and still match the
+// exp8 and silu8 on 16 lanes, the same operations in the same order (every one is exactly rounded;
+// the last, y * 2^fx, as one scalef, which rounds the same product), so each lane's bits are exp8's / silu8's: silu_mul may run 16 lanes at a time and still match the
 // GEMM's 8-lane epilogue.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
@@ -46,8 +46,8 @@ inline __m512 exp16(__m512 x) {
   y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.6666665459e-1f));
   y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_add_ps(_mm512_mul_ps(y, _mm512_mul_ps(x, x)), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  // y * 2^fx in one instruction (fx is a whole number in [-126, 127]): the product exp8 rounds
+  return _mm512_scalef_ps(y, fx);
 }
 
 inline __m512 silu16(__m512 g) {
