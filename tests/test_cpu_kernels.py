@@ -179,12 +179,13 @@ def test_bf16_prompt_chunks_on_amx_within_rounding_of_float32_attention(heads, k
     if not cpu_kernels.set_amx(True):
         pytest.skip("no AMX-BF16 on this CPU (or the OS does not grant the tiles)")
     g = torch.Generator().manual_seed(5)
-    n_blocks = 120
+    n_blocks = 160
     kc, vc = (torch.full((n_blocks, bs, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16) for _ in range(2))
-    # decodes, a chunk after cached context, whole prompts over several query chunks, a prompt
-    # ending one token into a block
-    lens = [1, 60, 300, 75, 2 * bs + 1, 190]
-    q_lens = [1, 1, 100, 75, 2 * bs + 1, 33]
+    # decodes, a chunk after cached context, whole prompts over several query chunks (the AMX
+    # path's are 128 queries: 260 = 128 + 128 + 4, 129 ends on a one-query chunk), a prompt ending
+    # one token into a block
+    lens = [1, 60, 300, 75, 2 * bs + 1, 190, 260, 129]
+    q_lens = [1, 1, 100, 75, 2 * bs + 1, 33, 260, 129]
     perm = iter(torch.randperm(n_blocks, generator=g).tolist())
     tables = [[next(perm) for _ in range(-(-n // bs))] for n in lens]
     for t, n in zip(tables, lens):
