@@ -138,7 +138,9 @@ def test_engine_greedy_same_with_and_without_native_kernel(llama_dir, monkeypatc
 def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head_dim, bs, decode_kernel):
     """bfloat16 decodes, on the AVX-512 decode kernel (where this CPU has it) and on the row path,
     with and without shared-prefix blocks: both sum in float32, so each output may differ from a
-    float32 reference on the same bfloat16 inputs only by its final rounding to bfloat16."""
+    float32 reference on the same bfloat16 inputs only by its final rounding to bfloat16. Where the
+    shared prefix goes through the AMX tiles, its probabilities are rounded to bfloat16 for the
+    P V product (2^-9 of each weight), as on the prompt path: those rows get that much more."""
     _kernel_or_skip()
     g = torch.Generator().manual_seed(3)
     n_blocks = 160
@@ -161,7 +163,10 @@ def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head
         cpu_kernels.set_decode_kernel(True)
     want = _reference(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
     # half a bfloat16 unit of the result, plus float32 summation-order slack
-    assert ((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-5).all()
+    bound = want.abs() * 2.0 ** -8 + 1e-5
+    if cpu_kernels.set_amx(True):  # the shared-prefix rows: + the probabilities' rounding
+        bound[5:] += vc.float().abs().max() * 2.0 ** -9
+    assert ((got - want).abs() <= bound).all()
 
 
 # (heads, kv_heads, head_dim, block_size): the small model's shape; 64-key spans of 8-token

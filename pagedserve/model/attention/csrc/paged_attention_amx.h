@@ -171,16 +171,18 @@ inline void amx_tile_products(int nt, const uint16_t* a, int64_t lda, int64_t kc
   if (nt > 3) _tile_stored(3, out + 768, 64);
 }
 
-// The item's rows of one kv head (queries i of the item's qn, heads h_first + g of G): the same
-// contract as kv_head_tiled, on tiles. The caller has configured the tiles on this thread.
+// Rows of one kv head over keys [0, end) of `table`, on tiles: row r's query is row_q(r) (head
+// size D) at position row_pos(r) (it sees keys up to there; INT32_MAX: all of them), rows sorted by
+// position. finish(g, m, l, accT) takes group g's 16 rows' max, normaliser and sums [D][16]. The
+// caller has configured the tiles on this thread.
 // The products are transposed, scores^T = K Q^T and (P V)^T = V^T P^T, so that a row's scores
 // lie down a column: one zmm holds a key's scores for the 16 rows of a group, and the softmax's
 // max, sum and rescale are 16-row vector operations with no horizontal reductions.
-inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
-                        int64_t q_first_pos, int64_t qn, int64_t h_first, int64_t G, const Shape& s, uint16_t* out,
-                        float* work) {
-  const int64_t D = s.D, RK = qn * G, NG = (RK + kAmxRows - 1) / kAmxRows, SW = amx_span_width(s.BS);
-  const int64_t stride = s.KVH * D, NB = span_blocks(s.BS), hoff = h_first / G * D;
+template <typename RowQ, typename RowPos, typename Finish>
+inline void amx_rows(int64_t RK, RowQ row_q, RowPos row_pos, const uint16_t* kc, const uint16_t* vc,
+                     const int64_t* table, int64_t end, int64_t kv_head, const Shape& s, float* work, Finish finish) {
+  const int64_t D = s.D, NG = (RK + kAmxRows - 1) / kAmxRows, SW = amx_span_width(s.BS);
+  const int64_t stride = s.KVH * D, NB = span_blocks(s.BS), hoff = kv_head * D;
   float* accT = work;                                                  // [NG][D][16]
   float* m = accT + NG * D * 16;                                       // [NG][16]
   float* l = m + NG * 16;                                              // [NG][16]
@@ -199,8 +201,8 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
     const uint16_t* rows[16];
     for (int64_t i = 0; i < 16; ++i) {
       const int64_t r = g * 16 + i;
-      rows[i] = r < RK ? q + ((r / G) * s.H + h_first + r % G) * D : nullptr;
-      qpos[g * 16 + i] = r < RK ? static_cast<int32_t>(q_first_pos + r / G) : std::numeric_limits<int32_t>::max();
+      rows[i] = r < RK ? row_q(r) : nullptr;
+      qpos[g * 16 + i] = r < RK ? row_pos(r) : std::numeric_limits<int32_t>::max();
     }
     uint32_t* qt = QT2 + g * D / 2 * 16;
     for (int64_t r0 = 0; r0 < 16; r0 += 8)
@@ -221,7 +223,7 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
   const __m512i il = _mm512_load_si512(il_idx);
   const __m512 vs = _mm512_set1_ps(s.scale);
 
-  const int64_t last = q_first_pos + qn - 1, end = last + 1, blk1 = last / s.BS + 1;
+  const int64_t blk1 = (end - 1) / s.BS + 1;
   const uint16_t* kblk[kSpanKeys];
   const uint16_t* vblk[kSpanKeys];
   for (int64_t b0 = 0; b0 < blk1; b0 += NB) {
@@ -239,8 +241,7 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
     amx_pack_values_t(vblk, s.BS, stride, nk, D, SW, W, VT);
     for (int64_t g = 0; g < NG; ++g) {
       // rows are in query order: the group's last real row sees the most
-      const int64_t last_row = std::min(RK, (g + 1) * 16) - 1;
-      if (q_first_pos + last_row / G < t0) continue;
+      if (qpos[std::min(RK, (g + 1) * 16) - 1] < t0) continue;
       const uint32_t* qt = QT2 + g * D / 2 * 16;
       // scores^T: 16 keys x 16 rows per tile, four tiles (64 keys) at a time
       for (int64_t c0 = 0; c0 < SW; c0 += 64)
@@ -249,7 +250,7 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
       // the online-softmax step of the 16 rows at once; key t is seen by the rows whose query
       // sits at or after it (keys past the span's nk lie past every real query)
       const __m512i qp = _mm512_loadu_si512(qpos + g * 16);
-      const bool all_see = t0 + nk - 1 <= q_first_pos + (g * 16) / G;  // the group's first row sees all nk keys
+      const bool all_see = t0 + nk - 1 <= qpos[g * 16];  // the group's first row sees all nk keys
       auto seen_by = [&](int64_t t) -> __mmask16 {  // the rows that see key t of the span
         if (t >= nk) return 0;  // (padding: zero keys past the span's own)
         return all_see ? 0xFFFF : _mm512_cmpge_epi32_mask(qp, _mm512_set1_epi32(static_cast<int32_t>(t0 + t)));
@@ -281,24 +282,55 @@ inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* v
         _mm512_storeu_ps(acc + d * 16, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d * 16), alpha, _mm512_loadu_ps(OT + d * 16)));
     }
   }
+  for (int64_t g = 0; g < NG; ++g) finish(g, m + g * 16, l + g * 16, accT + g * D * 16);
+}
+
+// The item's rows of one kv head (queries i of the item's qn, heads h_first + g of G, row i * G +
+// g): the same contract as kv_head_tiled.
+inline void kv_head_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
+                        int64_t q_first_pos, int64_t qn, int64_t h_first, int64_t G, const Shape& s, uint16_t* out,
+                        float* work) {
+  const int64_t D = s.D, RK = qn * G;
+  auto row_q = [&](int64_t r) { return q + ((r / G) * s.H + h_first + r % G) * D; };
+  auto row_pos = [&](int64_t r) { return static_cast<int32_t>(q_first_pos + r / G); };
   // out = sums / normaliser: 16 dims x 16 rows at a time, scaled, transposed to rows, rounded as
   // store1 rounds (the bits of the scalar loop, ~10x fewer instructions)
-  for (int64_t g = 0; g < NG; ++g) {
+  auto finish = [&](int64_t g, const float* m, const float* l, const float* acc) {
     const int64_t nrows = std::min<int64_t>(16, RK - g * 16);
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(l + g * 16));
-    const float* acc = accT + g * D * 16;
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(l));
     uint16_t* orow[16];
-    for (int64_t i = 0; i < nrows; ++i) {
-      const int64_t r = g * 16 + i;
-      orow[i] = out + ((r / G) * s.H + h_first + r % G) * D;
-    }
+    for (int64_t i = 0; i < nrows; ++i) orow[i] = out + (row_q(g * 16 + i) - q);
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 v[16];
       for (int j = 0; j < 16; ++j) v[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + j) * 16), inv);
       transpose16x16(v);
       for (int64_t i = 0; i < nrows; ++i) store16_rne(orow[i] + d0, v[i]);
     }
-  }
+  };
+  amx_rows(RK, row_q, row_pos, kc, vc, table, q_first_pos + qn, h_first / G, s, work, finish);
+}
+
+// Shared-prefix (cascade) decode on tiles: shared_prefix_tiled's contract (the decodes of
+// `members` read their `blocks` common full blocks together, kv head kh; each row's max,
+// normaliser and sums go to state for the decode path to continue from), with the probabilities
+// rounded to bfloat16 for the P V product as on the prompt path (and in torch's CPU flash
+// attention). Every row sees every shared key.
+inline void shared_prefix_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
+                              const int64_t* q_starts, const int64_t* members, int64_t n_members, int64_t blocks,
+                              int64_t kh, const Shape& s, float* state, float* work) {
+  const int64_t D = s.D, G = s.H / s.KVH, RK = n_members * G;
+  auto row_q = [&](int64_t r) { return q + (q_starts[members[r / G]] * s.H + kh * G + r % G) * D; };
+  auto row_pos = [](int64_t) { return std::numeric_limits<int32_t>::max(); };
+  auto finish = [&](int64_t g, const float* m, const float* l, const float* acc) {
+    for (int64_t i = 0; i < std::min<int64_t>(16, RK - g * 16); ++i) {
+      const int64_t r = g * 16 + i;
+      float* o = state + (members[r / G] * s.H + kh * G + r % G) * (D + 2);
+      o[0] = m[i];
+      o[1] = l[i];
+      for (int64_t d = 0; d < D; ++d) o[2 + d] = acc[d * 16 + i];
+    }
+  };
+  amx_rows(RK, row_q, row_pos, kc, vc, table, blocks * s.BS, kh, s, work, finish);
 }
 
 inline void item_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,

@@ -146,10 +146,11 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
   if (vec) groups = find_shared_prefixes(bt, seq_lens, q_starts, B, s.BS, s.MAXB);
   std::vector<ShareItem> share_items;
   std::vector<int64_t> shared_blocks(groups.empty() ? 0 : B, 0);
+  const int64_t share_chunk = amx ? kAmxQueryChunk : kShareChunk;  // (members: one row per query head)
   for (const SharedPrefix& g : groups) {
     const int64_t n = static_cast<int64_t>(g.members.size());
-    for (int64_t j0 = 0; j0 < n; j0 += kShareChunk)
-      for (int64_t kh = 0; kh < s.KVH; ++kh) share_items.push_back({&g, j0, std::min(n, j0 + kShareChunk), kh});
+    for (int64_t j0 = 0; j0 < n; j0 += share_chunk)
+      for (int64_t kh = 0; kh < s.KVH; ++kh) share_items.push_back({&g, j0, std::min(n, j0 + share_chunk), kh});
     for (int64_t b : g.members) shared_blocks[b] = g.blocks;
   }
   std::vector<float> state(groups.empty() ? 0 : static_cast<size_t>(B * s.H * (s.D + 2)));
@@ -168,6 +169,16 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
     for (int64_t k = 0; k < n_share; ++k) {  // (the implicit barrier: every state is written before use)
       const ShareItem& it = share_items[k];
       const SharedPrefix& g = *it.group;
+#ifdef PS_HAVE_AMX
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (amx) {
+          if (!tiles_configured) amx_configure(), tiles_configured = true;
+          shared_prefix_amx(q, kc, vc, bt + g.members[0] * s.MAXB, q_starts, g.members.data() + it.j0, it.j1 - it.j0,
+                            g.blocks, it.kh, s, state.data(), work.data());
+          continue;
+        }
+      }
+#endif
       shared_prefix_tiled(q, kc, vc, bt + g.members[0] * s.MAXB, q_starts, g.members.data() + it.j0, it.j1 - it.j0,
                           g.blocks, it.kh, s, state.data(), work.data());
     }
@@ -194,7 +205,7 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
       if (vec && rs.qn * G >= kTiledMinRows && blk0 == 0) {
 #ifdef PS_HAVE_AMX
         if constexpr (std::is_same_v<T, uint16_t>) {
-          if (amx && qn > 1) {  // (a decode's probabilities stay float32, as on its other paths)
+          if (amx && qn > 1) {  // (a decode keeps float32 probabilities past a shared prefix, as on its other paths)
             if (!tiles_configured) amx_configure(), tiles_configured = true;
             item_amx(qp, kc, vc, bt + it.b * s.MAXB, first_pos, rs, s, op, work.data());
             continue;
