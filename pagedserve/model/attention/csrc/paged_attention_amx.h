@@ -6,6 +6,8 @@
 // multiply-adds in one instruction, so here the two products of a span (scores = Q K^T, then
 // P V) are tile products and what is left is the online softmax between them, in AVX-512.
 //
+// The same core (amx_rows) also runs the cascade pass of decodes that share prefix blocks
+// (shared_prefix_amx): there the rows are the member sequences' queries, and all see every key.
 // Per (item, kv head) the rows are the item's queries x the kv head's G query heads, in groups
 // of 16. The products run transposed, scores^T = K Q^T and (P V)^T = V^T P^T, so a key's scores
 // for a group's 16 rows fill one zmm and the online softmax (max, exp, sum, rescale) is 16-row
