@@ -8,6 +8,7 @@ prints median milliseconds and B/A speed ratios (> 1: this checkout is faster):
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --cases W1-decode,prompt-512
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --dtype bfloat16    # bfloat16 caches and queries
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --cold     # caches evicted before every call
+    python benchmarks/cpu_attention_ab.py --base HEAD~1 --exact    # outputs must be bit for bit equal
 
 Cases (small model: 8 heads, 4 kv heads, head size 64, block size 16, float32 unless --dtype):
   W1-decode     256 decodes, contexts 128-256, blocks in allocation order (memory-bound)
@@ -135,6 +136,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--cold", action="store_true", help="evict the caches before every call (the engine's case)")
+    p.add_argument("--exact", action="store_true", help="require bit-identical outputs (a change meant to keep the bits)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     # both versions sum in float32; bfloat16 outputs may then round one unit apart
@@ -154,7 +156,10 @@ def main() -> int:
                 tb, ob = call(this, case, args.threads, args.cold)
                 times["A"].append(ta)
                 times["B"].append(tb)
-                if r == 0 and not torch.allclose(oa.float(), ob.float(), atol=tol, rtol=tol):
+                same = (torch.equal(oa.view(torch.int16), ob.view(torch.int16)) if dtype == torch.bfloat16 else
+                        torch.equal(oa.view(torch.int32), ob.view(torch.int32))) if args.exact else \
+                    torch.allclose(oa.float(), ob.float(), atol=tol, rtol=tol)
+                if r == 0 and not same:
                     print(f"{name}: outputs differ (max {(oa.float() - ob.float()).abs().max():.2e})", file=sys.stderr)
                     return 1
             a, b = statistics.median(times["A"]), statistics.median(times["B"])
