@@ -106,8 +106,8 @@ void attention(const T* q, const T* kc, const T* vc, const int64_t* bt, const in
   auto chunk_for = [amx](int64_t qn) { return amx && qn > 1 ? kAmxQueryChunk : kQueryChunk; };
   int64_t n_chunks = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t qn = q_starts[b + 1] - q_starts[b];
-    n_chunks += (qn + chunk_for(qn) - 1) / chunk_for(qn);
+    const int64_t qn = q_starts[b + 1] - q_starts[b], chunk = chunk_for(qn);
+    n_chunks += (qn + chunk - 1) / chunk;
   }
   const int64_t want = 4 * static_cast<int64_t>(nthreads);
   const int64_t kv_split = n_chunks >= want ? 1 : std::min(s.KVH, (want + n_chunks - 1) / std::max<int64_t>(n_chunks, 1));
