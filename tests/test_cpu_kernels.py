@@ -47,12 +47,14 @@ def test_kernel_matches_reference(dtype, tol, heads, kv_heads, block_size):
 
 # (head_dim, block_size, heads, kv_heads): the vector path; a head size that is not a multiple of 8
 # (the scalar path); odd numbers of 8-wide vectors per head and per block (the tiles' remainders);
-# three query heads per kv head; no grouping. With AVX-512 the tiled rows walk spans of up to 64
-# keys: 8 blocks of 8, 2 of 24 (48 keys), one 128-key block (two column groups), 2 of 32 with head
-# size 128 (two groups of dims), head size 80 (a 64-dim group and a 16-dim one) on blocks of 40.
+# three query heads per kv head; no grouping. The tiled rows walk spans of up to 64 keys: 8 blocks
+# of 8, 2 of 24 (48 keys), one 128-key block (two column groups), 2 of 32 with head size 128 (two
+# groups of dims), head size 80 (a 64-dim group and a 16-dim one) on blocks of 40, 12 blocks of 5
+# (60 keys, a part vector), one 64-token block with head size 32.
 @pytest.mark.parametrize("head_dim, bs, heads, kv_heads", [(64, 16, 8, 2), (12, 16, 8, 2), (40, 24, 8, 2),
                                                            (64, 16, 6, 2), (64, 8, 4, 4), (48, 24, 4, 1),
-                                                           (64, 128, 8, 2), (128, 32, 8, 2), (80, 40, 6, 3)])
+                                                           (64, 128, 8, 2), (128, 32, 8, 2), (80, 40, 6, 3),
+                                                           (64, 5, 8, 2), (32, 64, 4, 2)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_kernel_prompt_chunks_attend_causally_over_their_context(head_dim, bs, heads, kv_heads, dtype, tol):
     """Several query tokens per sequence (a prompt chunk after cached context), mixed with decodes."""

@@ -1,26 +1,26 @@
-// The tiled path's walk over the context on AVX-512 (head sizes a multiple of 16): spans of up to
-// kSpanKeys keys from consecutive blocks per online-softmax step, in 6-row x 64-column register
-// tiles.
+// Spans of blocks for the tiled path (prompt chunks, shared-prefix decodes): up to kSpanKeys keys
+// from consecutive blocks per online-softmax step. The span's shape and its key transpose serve
+// both walks; the rest of this file is the AVX-512 walk (head sizes a multiple of 16), in 6-row x
+// 64-column register tiles. The 8-wide walk (AVX2, paged_attention_tiled.h) uses 6 x 16 tiles.
 //
-// Why: the block-at-a-time walk (paged_attention_tiled.h) pays a softmax step per row for every
-// 16-token block: a horizontal max, an exp call for the rescale factor, the masking pass and a
-// horizontal sum, plus reloading and rescaling each row's weighted sums for P·V. On the shapes
-// of prefix-cache hits (W3: 32-token suffixes over a 1024-token prefix, and decodes sharing that
-// prefix) that was as much time as the products, ~100 GFLOP/s on cores with ~230 GFLOP/s of FMA.
-// A 64-key span pays those once per 64 keys and rows that see the whole span skip the masking,
-// and the wider tiles load less per FMA: a score tile is 6 rows x 64 keys (24 zmm accumulators;
-// per dim 4 key loads and 6 broadcasts for 24 FMAs), a P·V tile 6 rows x 64 dims over the span's
-// tokens. Sums are float32 as before; only their grouping changes.
+// Why: a block-at-a-time walk pays a softmax step per row for every 16-token block: a horizontal
+// max, an exp for the rescale factor, the masking pass and a horizontal sum, plus reloading and
+// rescaling each row's weighted sums for P·V. On the shapes of prefix-cache hits (W3: 32-token
+// suffixes over a 1024-token prefix, and decodes sharing that prefix) that was as much time as the
+// products, ~100 GFLOP/s on cores with ~230 GFLOP/s of FMA; on AVX2 (Zen 3) a fresh 1056-token
+// prompt's attention ran at ~67 GFLOP/s of ~200. A 64-key span pays those once per 64 keys and
+// rows that see the whole span skip the masking, and on AVX-512 the wider tiles load less per FMA:
+// a score tile is 6 rows x 64 keys (24 zmm accumulators; per dim 4 key loads and 6 broadcasts for
+// 24 FMAs), a P·V tile 6 rows x 64 dims over the span's tokens. Sums are float32 as before; only
+// their grouping changes.
 #pragma once
 #include "paged_attention_common.h"
 
-#ifdef PS_HAVE_AVX512
+#ifdef PS_HAVE_AVX2
 namespace {
 
 constexpr int64_t kSpanKeys = 64;
 
-// whether the span walk takes this shape
-inline bool span_path(const Shape& s) { return s.D % 16 == 0; }
 // blocks per span, and the span's width rounded up to whole 16-key vectors (the stride of the
 // transposed keys and of the score rows)
 inline int64_t span_blocks(int64_t BS) { return std::max<int64_t>(1, kSpanKeys / BS); }
@@ -42,6 +42,15 @@ inline void transpose_span_keys(const T* const* kblk, int64_t BS, int64_t stride
     }
   }
 }
+
+}  // namespace
+#endif
+
+#ifdef PS_HAVE_AVX512
+namespace {
+
+// whether the 16-wide span walk takes this shape (else the 8-wide one, paged_attention_tiled.h)
+inline bool span_path(const Shape& s) { return s.D % 16 == 0; }
 
 // The register tiles name every accumulator (see the note in paged_attention_tiled.h).
 #define PS_SPAN_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)

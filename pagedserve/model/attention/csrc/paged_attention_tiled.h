@@ -1,13 +1,14 @@
-// The tiled path of the CPU paged-attention kernel, for prompt chunks (AVX2, head size a multiple
-// of 8).
+// The tiled path of the CPU paged-attention kernel, for prompt chunks and shared-prefix decodes
+// (AVX2, head size a multiple of 8).
 //
-// With qn queries, the G heads of a kv head give qn*G rows that all read the same K/V block, so
-// the block is worth rearranging once: K is transposed to KT[d][t] and the scores become a small
-// matrix product, 6 rows x 16 keys of accumulators with broadcast queries (no horizontal sums),
-// and P·V is 6 rows x 16 dims. Both do ~0.7 loads per FMA instead of ~1.1 plus a transpose-sum
-// per 8 scores. A 512-token prompt's attention: 1.2-1.3x faster than the row-at-a-time path.
-// Built with AVX-512, head sizes that are a multiple of 16 walk the context in spans of blocks
-// instead (paged_attention_span.h); the rows' state and the callers here are shared.
+// With qn queries, the G heads of a kv head give qn*G rows that all read the same K/V, so it is
+// worth rearranging once: K is transposed to KT[d][t] and the scores become a small matrix
+// product, 6 rows x 16 keys of accumulators with broadcast queries (no horizontal sums), and P·V
+// is 6 rows x 16 dims. Both do ~0.7 loads per FMA instead of ~1.1 plus a transpose-sum per 8
+// scores. The context is walked a span of blocks (64 keys) per softmax step (paged_attention_span.h):
+// on Zen 3, a fresh 1056-token prompt's attention ran 1.xx faster than one block (16 keys) per step.
+// Built with AVX-512, head sizes that are a multiple of 16 walk the spans in 16-wide tiles instead
+// (paged_attention_span.h); the rows' state and the callers here are shared.
 #pragma once
 #include "paged_attention_common.h"
 #include "paged_attention_span.h"
@@ -15,19 +16,6 @@
 namespace {
 
 #ifdef PS_HAVE_AVX2
-
-// KT[d * W + t] = k_t[d] for the block's first nv tokens (rows `stride` apart), 0 for t in [nv, W)
-template <typename T>
-inline void transpose_keys(const T* k, int64_t stride, int64_t nv, int64_t D, int64_t W, float* KT) {
-  for (int64_t t0 = 0; t0 < W; t0 += 8) {
-    for (int64_t d0 = 0; d0 < D; d0 += 8) {
-      __m256 r[8];
-      for (int j = 0; j < 8; ++j) r[j] = t0 + j < nv ? load8(k + (t0 + j) * stride + d0) : _mm256_setzero_ps();
-      transpose8x8(r);
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(KT + (d0 + j) * W + t0, r[j]);
-    }
-  }
-}
 
 // The tiles name each accumulator: GCC kept a __m256 array of 12 in memory and stored every
 // element on every iteration, which made the loop store-bound.
@@ -56,20 +44,24 @@ inline void scores_tile16(const float* q, int64_t D, const float* KT, int64_t W,
 }
 
 template <int NR, typename T>
-inline void pv_tile16(float* acc, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* v,
-                      int64_t stride, int64_t n, int64_t c0) {
+inline void pv_tile16(float* acc, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* const* vblk,
+                      int64_t BS, int64_t stride, int64_t n, int64_t c0) {
 #define PS_LOAD(i)                                                                        \
   __m512 a##i = _mm512_setzero_ps();                                                      \
   if (NR > i) a##i = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 8 * c0), _mm512_set1_ps(alpha[i]));
   PS_ROWS(PS_LOAD)
 #undef PS_LOAD
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 vv = load16(v + t * stride + 8 * c0);
-    PS_KEEP16(vv);
+  int64_t t = 0;
+  for (int64_t j = 0; t < n; ++j) {
+    const T* v = vblk[j] + 8 * c0;
+    for (const int64_t tn = std::min(n, t + BS); t < tn; ++t, v += stride) {
+      __m512 vv = load16(v);
+      PS_KEEP16(vv);
 #define PS_FMA(i) \
   if (NR > i) a##i = _mm512_fmadd_ps(_mm512_set1_ps(p[i * ldP + t]), vv, a##i);
-    PS_ROWS(PS_FMA)
+      PS_ROWS(PS_FMA)
 #undef PS_FMA
+    }
   }
 #define PS_STORE(i) \
   if (NR > i) _mm512_storeu_ps(acc + i * D + 8 * c0, a##i);
@@ -110,12 +102,13 @@ inline void scores_tile(const float* q, int64_t D, const float* KT, int64_t W, i
 #undef PS_DECL
 }
 
-// acc[r][8*c0 ..] (and the next 8 dims when NV == 2) = alpha[r] * acc + sum_t p[r][t] * v_t[..]
+// acc[r][8*c0 ..] (and the next 8 dims when NV == 2) = alpha[r] * acc + sum_{t < n} p[r][t] * v_t[..],
+// token t of the span being row t % BS of block t / BS (at vblk[t / BS], rows `stride` apart)
 template <int NR, int NV, typename T>
-inline void pv_tile(float* acc, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* v, int64_t stride,
-                    int64_t n, int64_t c0) {
+inline void pv_tile(float* acc, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* const* vblk,
+                    int64_t BS, int64_t stride, int64_t n, int64_t c0) {
 #ifdef PS_HAVE_AVX512
-  if constexpr (NV == 2) return pv_tile16<NR>(acc, D, alpha, p, ldP, v, stride, n, c0);
+  if constexpr (NV == 2) return pv_tile16<NR>(acc, D, alpha, p, ldP, vblk, BS, stride, n, c0);
 #endif
 #define PS_LOAD(i)                                                                          \
   __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();                      \
@@ -126,19 +119,23 @@ inline void pv_tile(float* acc, int64_t D, const float* alpha, const float* p, i
   }
   PS_ROWS(PS_LOAD)
 #undef PS_LOAD
-  for (int64_t t = 0; t < n; ++t) {
-    __m256 v0 = load8(v + t * stride + 8 * c0), v1 = v0;
-    if (NV > 1) v1 = load8(v + t * stride + 8 * c0 + 8);
-    PS_KEEP(v0);
-    PS_KEEP(v1);
+  int64_t t = 0;
+  for (int64_t j = 0; t < n; ++j) {
+    const T* v = vblk[j] + 8 * c0;
+    for (const int64_t tn = std::min(n, t + BS); t < tn; ++t, v += stride) {
+      __m256 v0 = load8(v), v1 = v0;
+      if (NV > 1) v1 = load8(v + 8);
+      PS_KEEP(v0);
+      PS_KEEP(v1);
 #define PS_FMA(i)                                                  \
   if (NR > i) {                                                    \
     const __m256 b = _mm256_broadcast_ss(p + i * ldP + t);         \
     a##i##0 = _mm256_fmadd_ps(b, v0, a##i##0);                     \
     if (NV > 1) a##i##1 = _mm256_fmadd_ps(b, v1, a##i##1);         \
   }
-    PS_ROWS(PS_FMA)
+      PS_ROWS(PS_FMA)
 #undef PS_FMA
+    }
   }
 #define PS_STORE(i)                                                                  \
   if (NR > i) {                                                                      \
@@ -172,21 +169,21 @@ inline void scores_rows(const float* q, int64_t rows, int64_t D, const float* KT
 // rows are in query order, so the last row of a tile sees the most keys; the others' extra
 // probabilities are 0
 template <int NV, typename T>
-inline void pv_rows(float* acc, int64_t rows, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* v,
-                    int64_t stride, const int64_t* n_of, int64_t c0) {
+inline void pv_rows(float* acc, int64_t rows, int64_t D, const float* alpha, const float* p, int64_t ldP,
+                    const T* const* vblk, int64_t BS, int64_t stride, const int64_t* n_of, int64_t c0) {
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows) {
     const int64_t n = n_of[r + kTileRows - 1];
-    if (n > 0) pv_tile<kTileRows, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0);
+    if (n > 0) pv_tile<kTileRows, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, vblk, BS, stride, n, c0);
   }
   const int64_t n = rows > r ? n_of[rows - 1] : 0;
   if (n <= 0) return;
   switch (rows - r) {
-    case 5: pv_tile<5, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
-    case 4: pv_tile<4, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
-    case 3: pv_tile<3, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
-    case 2: pv_tile<2, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
-    case 1: pv_tile<1, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, v, stride, n, c0); break;
+    case 5: pv_tile<5, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, vblk, BS, stride, n, c0); break;
+    case 4: pv_tile<4, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, vblk, BS, stride, n, c0); break;
+    case 3: pv_tile<3, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, vblk, BS, stride, n, c0); break;
+    case 2: pv_tile<2, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, vblk, BS, stride, n, c0); break;
+    case 1: pv_tile<1, NV>(acc + r * D, D, alpha + r, p + r * ldP, ldP, vblk, BS, stride, n, c0); break;
     default: break;
   }
 }
@@ -219,65 +216,67 @@ struct TileState {
   }
 };
 
-// The width of a TileState's score rows and transposed keys: a span of blocks on the AVX-512
-// walk (paged_attention_span.h), else one block rounded up to 8 keys.
-inline int64_t tile_width(const Shape& s) {
-#ifdef PS_HAVE_AVX512
-  if (span_path(s)) return span_width(s.BS);
-#endif
-  return (s.BS + 7) / 8 * 8;
-}
+// The width of a TileState's score rows and transposed keys: a span of blocks (both walks).
+inline int64_t tile_width(const Shape& s) { return span_width(s.BS); }
 
 // Adds blocks [blk0, blk1) of `table` (tokens [blk0*BS, end) of the context, for the kv head at
-// element offset hoff of a token row) to the rows' state, built with width tile_width(s).
-// fill_n(t0, n) sets n_of[r], how many of the n keys from token t0 on row r sees (≤ 0: none):
-// one block of keys at a time here, a span of blocks on the AVX-512 walk.
+// element offset hoff of a token row) to the rows' state, built with width tile_width(s), a span
+// of blocks (up to kSpanKeys keys) per online-softmax step (why: paged_attention_span.h).
+// fill_n(t0, nk) sets n_of[r], how many of the nk keys of the span at token t0 row r sees
+// (≤ 0: none). Built with AVX-512, head sizes a multiple of 16 take the 16-wide walk instead.
 template <typename T, typename FillN>
 void tiled_blocks(TileState& st, const T* kc, const T* vc, const int64_t* table, int64_t blk0, int64_t blk1,
                   int64_t end, int64_t hoff, const Shape& s, FillN fill_n) {
 #ifdef PS_HAVE_AVX512
   if (span_path(s)) return span_walk(st, kc, vc, table, blk0, blk1, end, hoff, s, fill_n);
 #endif
-  const int64_t D = s.D, RK = st.RK, row_stride = s.KVH * D, W = (s.BS + 7) / 8 * 8;
+  const int64_t D = s.D, RK = st.RK, stride = s.KVH * D, NB = span_blocks(s.BS), SW = span_width(s.BS);
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), ninf = _mm256_set1_ps(kNegInf);
-  for (int64_t blk = blk0; blk < blk1; ++blk) {
-    const int64_t t0 = blk * s.BS;
-    const T* block_k = kc + table[blk] * s.BS * row_stride + hoff;
-    const T* block_v = vc + table[blk] * s.BS * row_stride + hoff;
-    const int64_t nv = std::min(s.BS, end - t0);  // tokens of this block some row can see
-    BlockPrefetch<T> pf;
-    if (blk + 1 < blk1) {
-      const int64_t nb = table[blk + 1] * s.BS * row_stride;
-      pf = BlockPrefetch<T>(kc + nb, vc + nb, s.BS, row_stride, hoff, hoff + D, 2);
+  const T* kblk[kSpanKeys];
+  const T* vblk[kSpanKeys];
+  BlockPrefetch<T> pf[kSpanKeys];  // the next span's blocks, requested while this one is summed
+  for (int64_t b0 = blk0; b0 < blk1; b0 += NB) {
+    const int64_t nb = std::min(NB, blk1 - b0), t0 = b0 * s.BS, nk = std::min(nb * s.BS, end - t0);
+    const int64_t next = std::min(NB, blk1 - b0 - nb), cols = (nk + 7) / 8 * 8;  // score columns computed
+    for (int64_t j = 0; j < nb; ++j) {
+      kblk[j] = kc + table[b0 + j] * s.BS * stride + hoff;
+      vblk[j] = vc + table[b0 + j] * s.BS * stride + hoff;
     }
-    fill_n(t0, s.BS);
-    pf.step();
-    transpose_keys(block_k, row_stride, nv, D, W, st.KT);
-    for (int64_t k0 = 0; k0 < W / 8; k0 += 2) {
-      if (k0 + 2 <= W / 8) scores_rows<2>(st.qf, RK, D, st.KT, W, k0, st.sp, W);
-      else scores_rows<1>(st.qf, RK, D, st.KT, W, k0, st.sp, W);
+    for (int64_t j = 0; j < next; ++j) {
+      const int64_t off = table[b0 + nb + j] * s.BS * stride;
+      pf[j] = BlockPrefetch<T>(kc + off, vc + off, s.BS, stride, hoff, hoff + D, 2);
     }
-    // online softmax per row; probabilities of keys a row cannot see (and of rows that see none)
-    // are exactly 0, so the P·V tiles can run every row of a tile to the tile's longest n
+    fill_n(t0, nk);
+    for (int64_t j = 0; j < next; ++j) pf[j].step();
+    transpose_span_keys(kblk, s.BS, stride, nk, D, SW, st.KT);
+    for (int64_t k0 = 0; k0 < cols / 8; k0 += 2) {
+      if (k0 + 2 <= cols / 8) scores_rows<2>(st.qf, RK, D, st.KT, SW, k0, st.sp, SW);
+      else scores_rows<1>(st.qf, RK, D, st.KT, SW, k0, st.sp, SW);
+    }
+    // online softmax per row over the computed columns; probabilities of keys a row cannot see
+    // (and of rows that see none) are exactly 0, so the P·V tiles can run every row of a tile to
+    // the tile's longest n
     for (int64_t r = 0; r < RK; ++r) {
-      float* sr = st.sp + r * W;
+      float* sr = st.sp + r * SW;
       const int64_t n = st.n_of[r];
       if (n <= 0) {
-        std::fill(sr, sr + W, 0.f);
+        std::fill(sr, sr + cols, 0.f);
         st.alpha[r] = 1.f;
         continue;
       }
-      const __m256 vn = _mm256_set1_ps(static_cast<float>(n));
-      for (int64_t c0 = 0; c0 < W; c0 += 8) {
-        const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(c0))), vn, _CMP_LT_OQ);
-        _mm256_storeu_ps(sr + c0, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + c0), valid));
+      if (n < cols) {
+        const __m256 vn = _mm256_set1_ps(static_cast<float>(n));
+        for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+          const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(static_cast<float>(c0))), vn, _CMP_LT_OQ);
+          _mm256_storeu_ps(sr + c0, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + c0), valid));
+        }
       }
-      st.alpha[r] = softmax_step(sr, W, st.m[r], st.l[r]);
+      st.alpha[r] = softmax_step(sr, cols, st.m[r], st.l[r]);
     }
-    pf.step();
+    for (int64_t j = 0; j < next; ++j) pf[j].step();
     for (int64_t c0 = 0; c0 < D / 8; c0 += 2) {
-      if (c0 + 2 <= D / 8) pv_rows<2>(st.acc, RK, D, st.alpha, st.sp, W, block_v, row_stride, st.n_of, c0);
-      else pv_rows<1>(st.acc, RK, D, st.alpha, st.sp, W, block_v, row_stride, st.n_of, c0);
+      if (c0 + 2 <= D / 8) pv_rows<2>(st.acc, RK, D, st.alpha, st.sp, SW, vblk, s.BS, stride, st.n_of, c0);
+      else pv_rows<1>(st.acc, RK, D, st.alpha, st.sp, SW, vblk, s.BS, stride, st.n_of, c0);
     }
   }
 }
