@@ -13,7 +13,7 @@
 // Two paths (AVX2+FMA, float32 and bfloat16 storage, head size a multiple of 8):
 //   paged_attention_rows.h   decodes and short chunks: each (query, head) row on its own
 //   paged_attention_tiled.h  prompt chunks: the rows of a kv head as small register-tiled products
-//                            (with AVX-512: over spans of blocks, paged_attention_span.h)
+//                            over spans of blocks (paged_attention_span.h; 16-wide with AVX-512)
 // and, with AVX-512, bfloat16 decodes of head size 64 or 128 on paged_attention_decode.h (the G
 // heads of a kv head through each K/V row together); with AMX-BF16, bfloat16 prompt chunks of
 // head sizes a multiple of 32 on paged_attention_amx.h (the products as tile products).
