@@ -6,9 +6,10 @@
 // or an earlier chunk is qn > 1 with earlier context.) The new tokens' K/V are already in the pool.
 //
 // Work item = (sequence, kv heads, up to kQueryChunk queries). Within an item the context is
-// walked block by block with an online softmax, so each K/V block is read from memory once for
-// all the queries and the query heads that share the kv head (GQA), and the scores never need a
-// buffer the size of the context. Accumulation is float32 whatever the storage type.
+// walked block by block (on the tiled path a span of blocks at a time) with an online softmax, so
+// each K/V block is read from memory once for all the queries and the query heads that share the
+// kv head (GQA), and the scores never need a buffer the size of the context. Accumulation is
+// float32 whatever the storage type.
 //
 // Two paths (AVX2+FMA, float32 and bfloat16 storage, head size a multiple of 8):
 //   paged_attention_rows.h   decodes and short chunks: each (query, head) row on its own
