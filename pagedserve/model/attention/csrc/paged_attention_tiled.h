@@ -5,8 +5,9 @@
 // worth rearranging once: K is transposed to KT[d][t] and the scores become a small matrix
 // product, 6 rows x 16 keys of accumulators with broadcast queries (no horizontal sums), and P·V
 // is 6 rows x 16 dims. Both do ~0.7 loads per FMA instead of ~1.1 plus a transpose-sum per 8
-// scores. The context is walked a span of blocks (64 keys) per softmax step (paged_attention_span.h):
-// on Zen 3 a fresh 1056-token prompt's attention ran 1.15-1.21x faster than one block (16 keys) per step.
+// scores. The context is walked a span of blocks (64 keys) per softmax step
+// (paged_attention_span.h): on Zen 3 a fresh 1056-token prompt's attention ran 1.15-1.21x faster
+// than with one block (16 keys) per step.
 // Built with AVX-512, head sizes that are a multiple of 16 walk the spans in 16-wide tiles instead
 // (paged_attention_span.h); the rows' state and the callers here are shared.
 #pragma once
