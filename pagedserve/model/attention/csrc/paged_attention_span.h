@@ -43,6 +43,18 @@ inline void transpose_span_keys(const T* const* kblk, int64_t BS, int64_t stride
   }
 }
 
+// The span at block b0 (nb blocks): where each block's K and V rows of the kv head at element
+// offset hoff start, for both walks.
+template <typename T>
+inline void span_block_rows(const T* kc, const T* vc, const int64_t* table, int64_t b0, int64_t nb, int64_t hoff,
+                            const Shape& s, const T** kblk, const T** vblk) {
+  const int64_t block_elems = s.BS * s.KVH * s.D;
+  for (int64_t j = 0; j < nb; ++j) {
+    kblk[j] = kc + table[b0 + j] * block_elems + hoff;
+    vblk[j] = vc + table[b0 + j] * block_elems + hoff;
+  }
+}
+
 }  // namespace
 #endif
 
@@ -248,10 +260,7 @@ void span_walk(State& st, const T* kc, const T* vc, const int64_t* table, int64_
   const T* vblk[kSpanKeys];
   for (int64_t b0 = blk0; b0 < blk1; b0 += NB) {
     const int64_t nb = std::min(NB, blk1 - b0), t0 = b0 * s.BS, nk = std::min(nb * s.BS, end - t0);
-    for (int64_t j = 0; j < nb; ++j) {
-      kblk[j] = kc + table[b0 + j] * s.BS * stride + hoff;
-      vblk[j] = vc + table[b0 + j] * s.BS * stride + hoff;
-    }
+    span_block_rows(kc, vc, table, b0, nb, hoff, s, kblk, vblk);
     fill_n(t0, nk);
     transpose_span_keys(kblk, s.BS, stride, nk, D, SW, st.KT);
     span_scores(st.qf, RK, D, st.KT, SW, (nk + 15) / 16 * 16, st.sp);

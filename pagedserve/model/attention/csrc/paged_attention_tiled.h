@@ -239,10 +239,7 @@ void tiled_blocks(TileState& st, const T* kc, const T* vc, const int64_t* table,
   for (int64_t b0 = blk0; b0 < blk1; b0 += NB) {
     const int64_t nb = std::min(NB, blk1 - b0), t0 = b0 * s.BS, nk = std::min(nb * s.BS, end - t0);
     const int64_t next = std::min(NB, blk1 - b0 - nb), cols = (nk + 7) / 8 * 8;  // score columns computed
-    for (int64_t j = 0; j < nb; ++j) {
-      kblk[j] = kc + table[b0 + j] * s.BS * stride + hoff;
-      vblk[j] = vc + table[b0 + j] * s.BS * stride + hoff;
-    }
+    span_block_rows(kc, vc, table, b0, nb, hoff, s, kblk, vblk);
     for (int64_t j = 0; j < next; ++j) {
       const int64_t off = table[b0 + nb + j] * s.BS * stride;
       pf[j] = BlockPrefetch<T>(kc + off, vc + off, s.BS, stride, hoff, hoff + D, 2);
