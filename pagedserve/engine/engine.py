@@ -38,6 +38,10 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads or default_num_threads())
             # dequantized / small-magnitude weights produce denormals that slow x86 FP units many-fold
             torch.set_flush_denormal(True)
+            # compile any native kernel not cached yet while the tokenizer and weights load
+            from pagedserve.model.native_build import build_all_in_background
+
+            build_all_in_background()
         torch.manual_seed(config.seed)
         if config.model is None:
             from pagedserve.default_model import default_model_path

@@ -4,6 +4,11 @@ The libraries have no torch headers, so each builds in about a second with the s
 compiler. A build is cached per source (with the headers beside it), flags and CPU model (the
 flags say -march=native) under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/kernels, and
 several processes starting at once build it only once.
+
+A cold start compiles three libraries, ~12 s of one core in all; `build_all_in_background`
+starts them side by side, in threads (the compiler runs as a subprocess, so they do not wait on
+the GIL), while the engine imports transformers and loads the weights. `python -m
+pagedserve.model.native_build` builds them ahead, at install time (scripts/setup.sh runs it).
 """
 from __future__ import annotations
 
@@ -32,15 +37,20 @@ def _cpu_id() -> str:
         return os.uname().machine
 
 
-def build(src: Path, flags: list[str], lib_name: str) -> Path:
-    """The path of the shared library built from `src` with `flags` (built now if not cached)."""
+def cached_path(src: Path, flags: list[str], lib_name: str) -> Path:
+    """Where the library built from `src` with `flags` on this CPU is cached (it may not be yet)."""
     # the headers beside the source are part of it (the attention kernel is split into several)
     sources = b"".join(p.read_bytes() for p in [src, *sorted(src.parent.glob("*.h"))])
     key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels" / key
-    lib = root / lib_name
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels" / key / lib_name
+
+
+def build(src: Path, flags: list[str], lib_name: str) -> Path:
+    """The path of the shared library built from `src` with `flags` (built now if not cached)."""
+    lib = cached_path(src, flags, lib_name)
     if lib.exists():
         return lib
+    root = lib.parent
     root.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
@@ -52,6 +62,27 @@ def build(src: Path, flags: list[str], lib_name: str) -> Path:
             subprocess.run([cxx, *flags, str(src), "-o", str(tmp)], check=True, capture_output=True, text=True)
             tmp.rename(lib)
     return lib
+
+
+def _kernels_enabled() -> bool:
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
+
+
+_LIBRARIES: list["NativeLibrary"] = []  # every library declared (one per module that declares it)
+
+
+def _declare_cpu_libraries() -> list["NativeLibrary"]:
+    """The CPU libraries of the engine (importing their modules declares them)."""
+    import pagedserve.model.attention.cpu_kernels  # noqa: F401
+    import pagedserve.model.cpu_fused  # noqa: F401
+    import pagedserve.model.cpu_gemm  # noqa: F401
+
+    return list(_LIBRARIES)
+
+
+def build_all_in_background() -> list[threading.Thread]:
+    """Starts building every CPU library that is not cached yet, side by side; returns the threads."""
+    return [t for lib in _declare_cpu_libraries() if (t := lib.build_in_background()) is not None]
 
 
 class NativeLibrary:
@@ -68,13 +99,33 @@ class NativeLibrary:
         self.lib = None
         self.failure_reason: str | None = None
         self._lock = threading.Lock()
+        _LIBRARIES.append(self)
+
+    def build_in_background(self) -> threading.Thread | None:
+        """Starts building the library in a daemon thread unless it is cached, loaded or turned off;
+        returns the thread, or None. `load()` then waits for that build on the cache's file lock
+        instead of starting its own. A failure here is ignored: `load()` tries again and says why."""
+        if self.lib is not None or self.failure_reason is not None or not _kernels_enabled():
+            return None
+        if cached_path(self.src, self.flags, self.lib_name).exists():
+            return None
+
+        def run():
+            try:
+                build(self.src, self.flags, self.lib_name)
+            except Exception:  # noqa: BLE001 -- load() rebuilds and says why
+                pass
+
+        t = threading.Thread(target=run, name=f"build {self.lib_name}", daemon=True)
+        t.start()
+        return t
 
     def load(self):
         if self.lib is not None or self.failure_reason is not None:
             return self.lib
         with self._lock:
             if self.lib is None and self.failure_reason is None:
-                if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
+                if not _kernels_enabled():
                     self.failure_reason = "disabled by PAGEDSERVE_CPU_KERNELS=0"
                     return None
                 try:
@@ -88,3 +139,23 @@ class NativeLibrary:
                     self.failure_reason = f"{type(e).__name__}: {err.splitlines()[-1] if err else ''}"
                     log.warning("%s unavailable (%s); %s", self.what, self.failure_reason, self.instead)
         return self.lib
+
+
+def build_all_now() -> None:
+    """Builds every CPU library now, side by side, and prints what it found (install time)."""
+    import time
+
+    t0 = time.time()
+    for thread in build_all_in_background():
+        thread.join()
+    for lib in _declare_cpu_libraries():
+        lib.load()
+        print(f"{lib.lib_name}: {'ready' if lib.lib is not None else 'unavailable: ' + str(lib.failure_reason)}")
+    print(f"native CPU libraries ready in {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    # through the package's module, not this __main__ copy: the libraries register there
+    from pagedserve.model import native_build
+
+    native_build.build_all_now()
