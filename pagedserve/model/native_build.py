@@ -107,7 +107,10 @@ class NativeLibrary:
         instead of starting its own. A failure here is ignored: `load()` tries again and says why."""
         if self.lib is not None or self.failure_reason is not None or not _kernels_enabled():
             return None
-        if cached_path(self.src, self.flags, self.lib_name).exists():
+        try:
+            if cached_path(self.src, self.flags, self.lib_name).exists():
+                return None
+        except OSError:  # an unreadable source: load() reports it
             return None
 
         def run():
