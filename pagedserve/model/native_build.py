@@ -1,11 +1,11 @@
 """Builds the small C++ CPU libraries on first use, caches them, and loads them.
 
-The libraries have no torch headers, so each builds in about a second with the system C++
-compiler. A build is cached per source (with the headers beside it), flags and CPU model (the
-flags say -march=native) under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/kernels, and
-several processes starting at once build it only once.
+The libraries have no torch headers, so each builds in 2-5 s with the system C++ compiler. A
+build is cached per source (with the headers beside it), flags and CPU model (the flags say
+-march=native) under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/kernels, and several
+processes starting at once build it only once.
 
-A cold start compiles three libraries, ~12 s of one core in all; `build_all_in_background`
+A cold start compiles three libraries, ~12 s of one Zen 3 core in all; `build_all_in_background`
 starts them side by side, in threads (the compiler runs as a subprocess, so they do not wait on
 the GIL), while the engine imports transformers and loads the weights. `python -m
 pagedserve.model.native_build` builds them ahead, at install time (scripts/setup.sh runs it).
