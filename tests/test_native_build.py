@@ -9,9 +9,13 @@ import textwrap
 LIBS = ["libpagedserve_cpu.so", "libpagedserve_ops.so", "libpagedserve_gemm.so"]
 
 
-def _run(code: str, cache, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+def _python(args: list[str], cache, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PAGEDSERVE_CACHE": str(cache), **env})
+
+
+def _run(code: str, cache, **env) -> subprocess.CompletedProcess:
+    return _python(["-c", textwrap.dedent(code)], cache, **env)
 
 
 def test_background_build_fills_an_empty_cache_then_has_nothing_to_do(tmp_path):
@@ -30,8 +34,7 @@ def test_background_build_fills_an_empty_cache_then_has_nothing_to_do(tmp_path):
     assert not list(tmp_path.glob("kernels/*/tmp-*"))
 
     # the install-time entry point finds them cached and loads each one
-    pre = subprocess.run([sys.executable, "-m", "pagedserve.model.native_build"], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)})
+    pre = _python(["-m", "pagedserve.model.native_build"], tmp_path)
     assert pre.returncode == 0, pre.stderr
     for lib in LIBS:
         assert f"{lib}: ready" in pre.stdout

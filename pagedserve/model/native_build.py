@@ -154,7 +154,7 @@ def build_all_now() -> None:
     for lib in _declare_cpu_libraries():
         lib.load()
         print(f"{lib.lib_name}: {'ready' if lib.lib is not None else 'unavailable: ' + str(lib.failure_reason)}")
-    print(f"native CPU libraries ready in {time.time() - t0:.1f}s")
+    print(f"native CPU libraries checked in {time.time() - t0:.1f}s")
 
 
 if __name__ == "__main__":
