@@ -1,0 +1,33 @@
+"""The native kernels compile from sources shipped in the package: a wheel must carry every .cpp
+and every header they include, or an installed (not editable) pagedserve falls back to the slow
+torch paths. Checked against pyproject's package-data patterns, without building a wheel."""
+import fnmatch
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "pagedserve"
+
+
+def _shipped(path: Path) -> bool:
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve"]
+    rel = path.relative_to(PACKAGE).as_posix()
+    return any(fnmatch.fnmatch(rel, p) for p in patterns)
+
+
+def test_native_sources_and_their_local_includes_are_package_data():
+    sources = sorted(PACKAGE.rglob("csrc/*.cpp"))
+    assert sources, "no native sources found"
+    seen = set()
+    todo = list(sources)
+    while todo:
+        src = todo.pop()
+        if src in seen:
+            continue
+        seen.add(src)
+        assert src.exists(), f"{src.relative_to(ROOT)} is included but missing"
+        assert _shipped(src), f"{src.relative_to(ROOT)} is not in pyproject's package-data: a wheel would lack it"
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', src.read_text(), re.M):
+            todo.append((src.parent / name).resolve())
+    assert any(p.suffix == ".h" for p in seen)  # the walk followed includes
