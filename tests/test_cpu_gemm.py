@@ -54,11 +54,12 @@ def tile(request):
 
 
 # rows: within one tile (6 rows AVX2, 8 AVX-512), across tiles, across the 510/512-row blocks; K:
-# 1, odd (bfloat16 k pairs pad it), one k block, cut into blocks (> 1100); N: inside one
+# 1, odd (bfloat16 k pairs pad it), one k block, cut into blocks (> 1100; the AVX2 tile takes
+# up to ~3000 in one where L2 is 512 KB, so 6000 cuts it there too); N: inside one
 # 16-column panel, 2 and 3 panels side by side (the AVX-512 tile's widths), several tiles of 3
 # plus a remainder, fewer panels than threads
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 9, 64, 1031])
-@pytest.mark.parametrize("k,n", [(1, 16), (3, 17), (37, 40), (512, 1), (5, 130), (64, 100), (1101, 33), (2300, 48)])
+@pytest.mark.parametrize("k,n", [(1, 16), (3, 17), (37, 40), (512, 1), (5, 130), (64, 100), (1101, 33), (2300, 48), (6000, 20)])
 def test_linear_matches_torch(threads, tile, m, k, n):
     g = torch.Generator().manual_seed(m * 7 + k + n)
     w = torch.randn(n, k, generator=g)
