@@ -128,7 +128,6 @@ def cycled_weights(args, dtype, tol, peak, g) -> None:
     print(f"cycled weights: {len(order) - 1} layers + LM head, {mib:.0f} MiB of weights per variant")
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=g).to(dtype) for _, k, _, _ in per_layer + head}
-        steps = None  # (the previous row count's packed copies go before the next are made)
         steps = []  # [(x, {label: fn})] in the forward's order
         for layer in weights:
             for name, w in layer:
@@ -176,10 +175,10 @@ def main() -> None:
     threads = torch.get_num_threads()
     peak = cpu_gemm.fma_peak_gflops(threads)
     print(f"model {args.model}, {args.dtype}, {threads} threads, {args.weights} weights, "
-          f"medians of {args.repeats} alternated runs; "
-          f"FMA peak {peak:.1f} GFLOP/s")
+          f"medians of {args.repeats} alternated runs; FMA peak {peak:.1f} GFLOP/s")
     g = torch.Generator().manual_seed(0)
     (cycled_weights if args.weights == "cycled" else hot_weights)(args, dtype, tol, peak, g)
+
 
 if __name__ == "__main__":
     main()
