@@ -3,20 +3,23 @@ and every header they include, or an installed (not editable) pagedserve falls b
 torch paths. Checked against pyproject's package-data patterns, without building a wheel."""
 import fnmatch
 import re
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "pagedserve"
 
 
-def _shipped(path: Path) -> bool:
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve"]
+def _shipped(path: Path, patterns: list[str]) -> bool:
     rel = path.relative_to(PACKAGE).as_posix()
     return any(fnmatch.fnmatch(rel, p) for p in patterns)
 
 
 def test_native_sources_and_their_local_includes_are_package_data():
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve"]
     sources = sorted(PACKAGE.rglob("csrc/*.cpp"))
     assert sources, "no native sources found"
     seen = set()
@@ -27,7 +30,7 @@ def test_native_sources_and_their_local_includes_are_package_data():
             continue
         seen.add(src)
         assert src.exists(), f"{src.relative_to(ROOT)} is included but missing"
-        assert _shipped(src), f"{src.relative_to(ROOT)} is not in pyproject's package-data: a wheel would lack it"
+        assert _shipped(src, patterns), f"{src.relative_to(ROOT)} is not in pyproject's package-data: a wheel would lack it"
         for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', src.read_text(), re.M):
             todo.append((src.parent / name).resolve())
     assert any(p.suffix == ".h" for p in seen)  # the walk followed includes
