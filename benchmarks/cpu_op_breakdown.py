@@ -1,0 +1,107 @@
+"""Where a CPU workload's forward time goes, op by op (issue #8).
+
+`pagedserve bench throughput --profile` splits each engine step into phases (schedule, forward,
+logits, sample, ...); this goes inside the forward. It runs one workload through the Python API
+with timers around the model's pieces (attention layer, MLP, the native attention call, the fused
+element-wise ops, the LM head) and prints seconds and calls for each, then the attention calls
+split into decode-only batches and batches with prompt chunks, with the FLOPs and the K/V bytes
+the decodes must read: decode attention reads every running sequence's whole K/V each step, so
+its rate in GB/s against the machine's memory bandwidth says how far it is from its floor.
+
+Not part of CI. The timers add a few microseconds per call (~1 % of a W1 run).
+
+    python benchmarks/cpu_op_breakdown.py --workload W1 --dtype bfloat16
+    python benchmarks/cpu_op_breakdown.py --workload W2 --model medium
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def timed(owner, name: str, key: str, totals, calls, after=None):
+    """Replaces owner.name with a wrapper that adds its wall time to totals[key]."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        dt = time.perf_counter() - t
+        totals[key] += dt
+        calls[key] += 1
+        if after is not None:
+            after(dt, *args)
+        return out
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small", help="a benchmark model of WORKLOADS.md (small | medium)")
+    p.add_argument("--workload", default="W1")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--num-prompts", type=int, default=None)
+    args = p.parse_args()
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.bench.workloads import bench_model_dir, make_workload
+    from pagedserve.model import cpu_fused, llama
+    from pagedserve.model.attention import torch_backend
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    attn_calls: list[tuple] = []  # (seconds, decode-only, decode FLOPs, prompt FLOPs, decode K/V bytes)
+
+    def attention_call(dt, _backend, q, k_cache, _v_cache, meta, _scale):
+        heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads = k_cache.shape[-2]  # the cache's rows: [slots, kv heads, head size]
+        qn = (meta.paged_query_starts[1:] - meta.paged_query_starts[:-1]).tolist()
+        lens = meta.paged_seq_lens.tolist()
+        dec_keys = sum(n for n, k in zip(lens, qn) if k == 1)
+        # a prompt chunk of k queries ending at context n: query i sees n - k + i + 1 keys
+        pre_keys = sum(k * n - k * (k - 1) / 2 for n, k in zip(lens, qn) if k > 1)
+        per_key = heads * head_dim * 4  # q·k and p·v, multiply and add
+        attn_calls.append((dt, all(k == 1 for k in qn), dec_keys * per_key, pre_keys * per_key,
+                           dec_keys * kv_heads * head_dim * 2 * q.element_size()))
+
+    for name in ("rms_norm", "silu_mul", "rope_qkv", "argmax"):
+        timed(cpu_fused, name, f"fused {name}", totals, calls)
+    timed(torch_backend.TorchAttentionBackend, "attend_cached", "attention kernel (paged, native)", totals, calls,
+          after=attention_call)
+    timed(llama.Attention, "forward_fused", "attention layer (qkv + rope + kernel + o)", totals, calls)
+    timed(llama.MLP, "forward", "MLP (gate_up + silu_mul + down)", totals, calls)
+    timed(llama.LlamaForCausalLM, "forward", "model forward (all layers)", totals, calls)
+    timed(llama.LlamaForCausalLM, "compute_logits", "LM head (logits)", totals, calls)
+
+    wl = make_workload(args.workload, args.num_prompts)
+    llm = LLM(model=str(bench_model_dir(args.model)), dtype=args.dtype)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in wl.output_lens]
+    prompts = [{"prompt_token_ids": ids} for ids in wl.prompts]
+    llm.generate(prompts[:8], params[:8])  # warm-up
+    totals.clear(), calls.clear(), attn_calls.clear()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+
+    print(f"{args.workload}, model {args.model}, {args.dtype}: wall {wall:.2f} s")
+    for key, secs in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {key:45s} {secs:8.3f} s  {100 * secs / wall:5.1f} %  {calls[key]:6d} calls")
+    for label, decode_only in (("decode-only batches", True), ("with prompt chunks", False)):
+        rows = [c for c in attn_calls if c[1] == decode_only]
+        if not rows:
+            continue
+        secs = sum(c[0] for c in rows)
+        dec_flops, pre_flops, kv = (sum(c[i] for c in rows) for i in (2, 3, 4))
+        print(f"  attention, {label:20s} {secs:7.3f} s in {len(rows)} calls: decode {dec_flops / 1e9:.1f} GFLOP "
+              f"reading {kv / 1e9:.1f} GB of K/V, prompts {pre_flops / 1e9:.1f} GFLOP"
+              + (f"; {kv / secs / 1e9:.1f} GB/s" if decode_only and secs > 0 else ""))
+
+
+if __name__ == "__main__":
+    main()
