@@ -68,7 +68,7 @@ def main() -> None:
         pre_keys = sum(k * n - k * (k - 1) / 2 for n, k in zip(lens, qn) if k > 1)
         per_key = heads * head_dim * 4  # q·k and p·v, multiply and add
         attn_calls.append((dt, all(k == 1 for k in qn), dec_keys * per_key, pre_keys * per_key,
-                           dec_keys * kv_heads * head_dim * 2 * q.element_size()))
+                           dec_keys * kv_heads * head_dim * 2 * k_cache.element_size()))
 
     for name in ("rms_norm", "silu_mul", "rope_qkv", "argmax"):
         timed(cpu_fused, name, f"fused {name}", totals, calls)
@@ -84,7 +84,9 @@ def main() -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in wl.output_lens]
     prompts = [{"prompt_token_ids": ids} for ids in wl.prompts]
     llm.generate(prompts[:8], params[:8])  # warm-up
-    totals.clear(), calls.clear(), attn_calls.clear()
+    totals.clear()
+    calls.clear()
+    attn_calls.clear()
     t0 = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - t0
