@@ -45,7 +45,10 @@ ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_
 def build(src_dir: Path, out: Path, dtype: torch.dtype):
     subprocess.run(["g++", *cpu_kernels._FLAGS, str(src_dir / "paged_attention_cpu.cpp"), "-o", str(out)],
                    check=True, capture_output=True, text=True)
-    fn = getattr(ctypes.CDLL(str(out)), cpu_kernels._FN[dtype])
+    lib = ctypes.CDLL(str(out))
+    if hasattr(lib, "paged_attention_set_bf16_dot"):  # the engine's default (set from Python since 2026-12)
+        lib.paged_attention_set_bf16_dot(int(cpu_kernels.bf16_dot()))
+    fn = getattr(lib, cpu_kernels._FN[dtype])
     fn.restype, fn.argtypes = None, ARGS
     return fn
 

@@ -7,6 +7,8 @@ element-wise ops, the LM head) and prints seconds and calls for each, then the a
 split into decode-only batches and batches with prompt chunks, with the FLOPs and the K/V bytes
 the decodes must read: decode attention reads every running sequence's whole K/V each step, so
 its rate in GB/s against the machine's memory bandwidth says how far it is from its floor.
+Last, the MLP calls by row count with their GEMM rate (GFLOP/s of gate_up + down), to set against
+`benchmarks/cpu_gemm_ab.py` on the same rows: what the engine's GEMMs reach beside the microbench.
 
 Not part of CI. The timers add a few microseconds per call (~1 % of a W1 run).
 
@@ -70,12 +72,19 @@ def main() -> None:
         attn_calls.append((dt, all(k == 1 for k in qn), dec_keys * per_key, pre_keys * per_key,
                            dec_keys * kv_heads * head_dim * 2 * k_cache.element_size()))
 
+    mlp_calls: list[tuple[int, float, float]] = []  # (rows, seconds, FLOPs)
+
+    def mlp_call(dt, mlp, x):
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
+        mlp_calls.append((rows, dt, rows * 2 * 3 * hidden * mlp.inter))
+
     for name in ("rms_norm", "silu_mul", "rope_qkv", "argmax"):
         timed(cpu_fused, name, f"fused {name}", totals, calls)
     timed(torch_backend.TorchAttentionBackend, "attend_cached", "attention kernel (paged, native)", totals, calls,
           after=attention_call)
     timed(llama.Attention, "forward_fused", "attention layer (qkv + rope + kernel + o)", totals, calls)
-    timed(llama.MLP, "forward", "MLP (gate_up + silu_mul + down)", totals, calls)
+    timed(llama.MLP, "forward", "MLP (gate_up + silu_mul + down)", totals, calls, after=mlp_call)
     timed(llama.LlamaForCausalLM, "forward", "model forward (all layers)", totals, calls)
     timed(llama.LlamaForCausalLM, "compute_logits", "LM head (logits)", totals, calls)
 
@@ -83,10 +92,12 @@ def main() -> None:
     llm = LLM(model=str(bench_model_dir(args.model)), dtype=args.dtype)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in wl.output_lens]
     prompts = [{"prompt_token_ids": ids} for ids in wl.prompts]
+    llm.llm_engine.kv_cache.wait_resident()  # the pool's pages faulted in first, as `bench throughput` does
     llm.generate(prompts[:8], params[:8])  # warm-up
     totals.clear()
     calls.clear()
     attn_calls.clear()
+    mlp_calls.clear()
     t0 = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -103,6 +114,13 @@ def main() -> None:
         print(f"  attention, {label:20s} {secs:7.3f} s in {len(rows)} calls: decode {dec_flops / 1e9:.1f} GFLOP "
               f"reading {kv / 1e9:.1f} GB of K/V, prompts {pre_flops / 1e9:.1f} GFLOP"
               + (f"; {kv / secs / 1e9:.1f} GB/s" if decode_only and secs > 0 else ""))
+    buckets = ((1, 32), (33, 128), (129, 512), (513, 2048), (2049, 1 << 40))
+    for lo, hi in buckets:
+        rows = [c for c in mlp_calls if lo <= c[0] <= hi]
+        if rows:
+            secs, flops = sum(c[1] for c in rows), sum(c[2] for c in rows)
+            span = f"{lo}-{hi}" if hi < 1 << 40 else f">{lo - 1}"
+            print(f"  MLP, {span:>9s} rows {secs:7.3f} s in {len(rows)} calls: {flops / secs / 1e9:6.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -141,8 +141,9 @@ def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head
     """bfloat16 decodes, on the AVX-512 decode kernel (where this CPU has it) and on the row path,
     with and without shared-prefix blocks: both sum in float32, so each output may differ from a
     float32 reference on the same bfloat16 inputs only by its final rounding to bfloat16. Where the
-    shared prefix goes through the AMX tiles, its probabilities are rounded to bfloat16 for the
-    P V product (2^-9 of each weight), as on the prompt path: those rows get that much more."""
+    shared prefix goes through the AMX tiles or the vdpbf16ps walk, its probabilities are rounded
+    to bfloat16 for the P V product (2^-9 of each weight), as on the prompt path: those rows get
+    that much more."""
     _kernel_or_skip()
     g = torch.Generator().manual_seed(3)
     n_blocks = 160
@@ -166,7 +167,7 @@ def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head
     want = _reference(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
     # half a bfloat16 unit of the result, plus float32 summation-order slack
     bound = want.abs() * 2.0 ** -8 + 1e-5
-    if cpu_kernels.set_amx(True):  # the shared-prefix rows: + the probabilities' rounding
+    if cpu_kernels.set_amx(True) or cpu_kernels.bf16_dot():  # the shared-prefix rows: + the probabilities' rounding
         bound[5:] += vc.float().abs().max() * 2.0 ** -9
     assert ((got - want).abs() <= bound).all()
 
@@ -174,23 +175,21 @@ def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head
 # (heads, kv_heads, head_dim, block_size): the small model's shape; 64-key spans of 8-token
 # blocks; one 128-key block (two score tile groups); head size 128 (two tile groups of dims);
 # head size 96 (a group of 64 dims and one of 32) with 48-key spans of 24-token blocks; G = 1
-@pytest.mark.parametrize("heads, kv_heads, head_dim, bs", [(8, 4, 64, 16), (4, 4, 64, 8), (8, 2, 64, 128),
-                                                           (8, 2, 128, 32), (6, 2, 96, 24), (4, 4, 64, 16)])
-def test_bf16_prompt_chunks_on_amx_within_rounding_of_float32_attention(heads, kv_heads, head_dim, bs):
-    """bfloat16 prompt chunks on the AMX tiles (where this CPU has them) against a float32
-    reference on the same inputs, with the pool's unused slots holding NaN: the tile products are
-    exact and sum in float32, so the output may differ only by its final rounding and the
-    probabilities' rounding to bfloat16 (2^-9 of each weight), and never read a slot past the
-    context. The tiled path must agree with it to the same bound."""
-    _kernel_or_skip()
-    if not cpu_kernels.set_amx(True):
-        pytest.skip("no AMX-BF16 on this CPU (or the OS does not grant the tiles)")
+BF16_PROMPT_SHAPES = [(8, 4, 64, 16), (4, 4, 64, 8), (8, 2, 64, 128), (8, 2, 128, 32), (6, 2, 96, 24), (4, 4, 64, 16)]
+
+
+def _bf16_prompt_chunks_within_rounding(heads, kv_heads, head_dim, bs, switch):
+    """bfloat16 prompt chunks (and decodes) on a fast path that switch(True) turns on against a
+    float32 reference on the same inputs, with the pool's unused slots holding NaN: products of
+    bfloat16 values are exact and sum in float32, so the output may differ only by its final
+    rounding and the probabilities' rounding to bfloat16 (2^-9 of each weight), and never read a
+    slot past the context. The float32 tiled path (switch(False)) must agree to the same bound."""
     g = torch.Generator().manual_seed(5)
     n_blocks = 160
     kc, vc = (torch.full((n_blocks, bs, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16) for _ in range(2))
     # decodes, a chunk after cached context, whole prompts over several query chunks (the AMX
     # path's are 128 queries: 260 = 128 + 128 + 4, 129 ends on a one-query chunk), a prompt ending
-    # one token into a block
+    # one token into a block, odd and even context lengths (the dot walk sums tokens in pairs)
     lens = [1, 60, 300, 75, 2 * bs + 1, 190, 260, 129]
     q_lens = [1, 1, 100, 75, 2 * bs + 1, 33, 260, 129]
     perm = iter(torch.randperm(n_blocks, generator=g).tolist())
@@ -207,11 +206,11 @@ def test_bf16_prompt_chunks_on_amx_within_rounding_of_float32_attention(heads, k
     scale = head_dim ** -0.5
     got = {}
     try:
-        for amx in (True, False):
-            cpu_kernels.set_amx(amx)
-            got[amx] = cpu_kernels.paged_attention(q, kc, vc, bt, torch.tensor(lens), starts, scale).float()
+        for fast in (True, False):
+            switch(fast)
+            got[fast] = cpu_kernels.paged_attention(q, kc, vc, bt, torch.tensor(lens), starts, scale).float()
     finally:
-        cpu_kernels.set_amx(True)
+        switch(None)
     for b, (n, qn) in enumerate(zip(lens, q_lens)):
         rows = slice(int(starts[b]), int(starts[b + 1]))
         want = torch.cat([_reference(q[starts[b] + i:starts[b] + i + 1], kc, vc, bt[b:b + 1],
@@ -219,6 +218,34 @@ def test_bf16_prompt_chunks_on_amx_within_rounding_of_float32_attention(heads, k
         vmax = vc.view(-1, kv_heads, head_dim)[torch.tensor(tables[b])[torch.arange(n) // bs] * bs
                                                + torch.arange(n) % bs].float().abs().max()
         bound = want.abs() * 2.0 ** -8 + vmax * 2.0 ** -9 + 1e-5
-        for amx in (True, False):
-            assert torch.isfinite(got[amx][rows]).all(), (b, amx)
-            assert ((got[amx][rows] - want).abs() <= bound).all(), (b, amx)
+        for fast in (True, False):
+            assert torch.isfinite(got[fast][rows]).all(), (b, fast)
+            assert ((got[fast][rows] - want).abs() <= bound).all(), (b, fast)
+    return got
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, bs", BF16_PROMPT_SHAPES)
+def test_bf16_prompt_chunks_on_amx_within_rounding_of_float32_attention(heads, kv_heads, head_dim, bs):
+    """The AMX tiles (where this CPU has them): see _bf16_prompt_chunks_within_rounding."""
+    _kernel_or_skip()
+    if not cpu_kernels.set_amx(True):
+        pytest.skip("no AMX-BF16 on this CPU (or the OS does not grant the tiles)")
+    _bf16_prompt_chunks_within_rounding(heads, kv_heads, head_dim, bs,
+                                        lambda on: cpu_kernels.set_amx(True if on is None else on))
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, bs", BF16_PROMPT_SHAPES)
+def test_bf16_prompt_chunks_on_vdpbf16ps_within_rounding_of_float32_attention(heads, kv_heads, head_dim, bs):
+    """The tiled path's vdpbf16ps walk (where this CPU has AVX512-BF16; AMX off, so prompt chunks
+    reach it): see _bf16_prompt_chunks_within_rounding. The two walks must really differ (the dot
+    walk's rounded probabilities), so the switch is known to take effect."""
+    _kernel_or_skip()
+    if not cpu_kernels.set_bf16_dot(True):
+        cpu_kernels.set_bf16_dot(None)
+        pytest.skip("no AVX512-BF16 on this CPU (the vdpbf16ps walk is not built)")
+    amx = cpu_kernels.set_amx(False)
+    try:
+        got = _bf16_prompt_chunks_within_rounding(heads, kv_heads, head_dim, bs, cpu_kernels.set_bf16_dot)
+    finally:
+        cpu_kernels.set_amx(True)
+    assert not torch.equal(got[True], got[False]), amx

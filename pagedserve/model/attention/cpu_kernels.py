@@ -26,13 +26,20 @@ _native = native_build.NativeLibrary(
     _SRC, _FLAGS, "libpagedserve_cpu.so",
     {**{name: (None, _ARGS) for name in _FN.values()}, "paged_attention_vectorized": (ctypes.c_int, []),
      "paged_attention_set_decode_kernel": (ctypes.c_int, [ctypes.c_int]),
-     "paged_attention_set_amx": (ctypes.c_int, [ctypes.c_int])},
+     "paged_attention_set_amx": (ctypes.c_int, [ctypes.c_int]),
+     "paged_attention_set_bf16_dot": (ctypes.c_int, [ctypes.c_int])},
     "CPU attention kernel", "using the torch gather path")
+
+
+_bf16_dot: bool | None = None  # the dot walk's state, once load() has set its default
 
 
 def load():
     """The loaded library, or None (the reason logged once) when it cannot be built."""
-    return _native.load()
+    lib = _native.load()
+    if lib is not None and _bf16_dot is None:
+        set_bf16_dot(None)
+    return lib
 
 
 def failure_reason() -> str | None:
@@ -80,3 +87,24 @@ def set_amx(on: bool) -> bool:
     OS grants the tiles) or on the AVX-512 tiled path (False), for A/B runs and tests. Returns
     whether this build and machine have the AMX path at all."""
     return bool(load().paged_attention_set_amx(int(on)))
+
+
+def set_bf16_dot(on: bool | None) -> bool:
+    """bfloat16 prompt chunks and shared-prefix passes of the tiled path on vdpbf16ps (True, where
+    the CPU has AVX512-BF16) or on float32 FMAs (False); None restores the default, which follows
+    the GEMM library's probe (cpu_gemm.bf16_dot(): on where vdpbf16ps issues as often as an FMA,
+    AMD Zen 4). For A/B runs and tests. Returns whether the walk is now in use."""
+    global _bf16_dot
+    if on is None:
+        from pagedserve.model import cpu_gemm
+
+        on = cpu_gemm.bf16_dot()
+    lib = _native.load()
+    _bf16_dot = bool(lib is not None and lib.paged_attention_set_bf16_dot(int(on)) and on)
+    return _bf16_dot
+
+
+def bf16_dot() -> bool:
+    """Whether the tiled path's bfloat16 walk runs on vdpbf16ps now (see set_bf16_dot)."""
+    load()
+    return bool(_bf16_dot)

@@ -17,7 +17,9 @@
 //                            over spans of blocks (paged_attention_span.h; 16-wide with AVX-512)
 // and, with AVX-512, bfloat16 decodes of head size 64 or 128 on paged_attention_decode.h (the G
 // heads of a kv head through each K/V row together); with AMX-BF16, bfloat16 prompt chunks of
-// head sizes a multiple of 32 on paged_attention_amx.h (the products as tile products).
+// head sizes a multiple of 32 on paged_attention_amx.h (the products as tile products); with
+// AVX512-BF16 where vdpbf16ps issues as often as an FMA (Zen 4), the tiled path's bfloat16 walk
+// on paged_attention_dot.h (products of bfloat16 pairs).
 // Built for the CPU it runs on: with AVX-512, the rows' dot products and P·V sums and the tiles'
 // 16-key / 16-dim cases use 16-wide vectors (~1.1x on the workloads' shapes, cpu_attention_ab.py).
 // Other head sizes and CPUs take a scalar path with the rows structure. Plain C ABI, called
@@ -264,6 +266,19 @@ int paged_attention_set_amx(int on) {
 #ifdef PS_HAVE_AMX
   return amx_permitted() ? 1 : 0;
 #else
+  return 0;
+#endif
+}
+// 1 = bfloat16 prompt chunks and shared-prefix passes on the tiled path take the vdpbf16ps walk
+// (paged_attention_dot.h), 0 = the float32 FMA walk (the default: cpu_kernels.py turns it on
+// where the GEMM library's probe finds vdpbf16ps faster than FMAs). Returns 1 when the walk is
+// built in (AVX512-BF16).
+int paged_attention_set_bf16_dot(int on) {
+#ifdef PS_HAVE_BF16_DOT
+  use_bf16_dot = on != 0;
+  return 1;
+#else
+  (void)on;
   return 0;
 #endif
 }

@@ -13,6 +13,9 @@
 #pragma once
 #include "paged_attention_common.h"
 #include "paged_attention_span.h"
+#include "paged_attention_dot.h"
+
+#include <type_traits>
 
 namespace {
 
@@ -194,9 +197,10 @@ inline void pv_rows(float* acc, int64_t rows, int64_t D, const float* alpha, con
 // the keys of the current block each row sees.
 struct TileState {
   int64_t RK;
+  bool dot;  // the bfloat16 vdpbf16ps walk (paged_attention_dot.h): queries kept unscaled
   float *qf, *acc, *sp, *KT, *m, *l, *alpha;
   int64_t* n_of;
-  TileState(float* work, int64_t rk, int64_t D, int64_t W) : RK(rk) {
+  TileState(float* work, int64_t rk, int64_t D, int64_t W, bool dot_walk = false) : RK(rk), dot(dot_walk) {
     qf = work;          // [RK, D]
     acc = qf + RK * D;  // [RK, D]
     sp = acc + RK * D;  // [RK, W] scores, then probabilities
@@ -206,10 +210,11 @@ struct TileState {
     alpha = l + RK;     // [RK]
     n_of = reinterpret_cast<int64_t*>(alpha + RK + (RK & 1));  // [RK]
   }
-  // row r starts empty with the query at qr, scaled
+  // row r starts empty with the query at qr, scaled (unscaled for the dot walk, which scales
+  // the scores)
   template <typename T>
   void start_row(int64_t r, const T* qr, int64_t D, float scale) {
-    const __m256 vscale = _mm256_set1_ps(scale);
+    const __m256 vscale = _mm256_set1_ps(dot ? 1.f : scale);
     for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(qf + r * D + c, _mm256_mul_ps(load8(qr + c), vscale));
     std::fill(acc + r * D, acc + (r + 1) * D, 0.f);
     m[r] = kNegInf;
@@ -220,6 +225,17 @@ struct TileState {
 // The width of a TileState's score rows and transposed keys: a span of blocks (both walks).
 inline int64_t tile_width(const Shape& s) { return span_width(s.BS); }
 
+// Whether a TileState of this dtype and shape takes the vdpbf16ps walk (paged_attention_dot.h).
+template <typename T>
+inline bool tile_dot(const Shape& s) {
+#ifdef PS_HAVE_BF16_DOT
+  return std::is_same_v<T, uint16_t> && dot_path(s);
+#else
+  (void)s;
+  return false;
+#endif
+}
+
 // Adds blocks [blk0, blk1) of `table` (tokens [blk0*BS, end) of the context, for the kv head at
 // element offset hoff of a token row) to the rows' state, built with width tile_width(s), a span
 // of blocks (up to kSpanKeys keys) per online-softmax step (why: paged_attention_span.h).
@@ -228,6 +244,10 @@ inline int64_t tile_width(const Shape& s) { return span_width(s.BS); }
 template <typename T, typename FillN>
 void tiled_blocks(TileState& st, const T* kc, const T* vc, const int64_t* table, int64_t blk0, int64_t blk1,
                   int64_t end, int64_t hoff, const Shape& s, FillN fill_n) {
+#ifdef PS_HAVE_BF16_DOT
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (st.dot) return span_walk_dot(st, kc, vc, table, blk0, blk1, end, hoff, s, fill_n);
+#endif
 #ifdef PS_HAVE_AVX512
   if (span_path(s)) return span_walk(st, kc, vc, table, blk0, blk1, end, hoff, s, fill_n);
 #endif
@@ -286,7 +306,8 @@ template <typename T>
 void kv_head_tiled(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t q_first_pos, int64_t qn,
                    int64_t h_first, int64_t G, const Shape& s, T* out, float* work) {
   const int64_t D = s.D;
-  TileState st(work, qn * G, D, tile_width(s));
+  // (a decode here, G >= 8, keeps float32 probabilities past a shared prefix, as on its other paths)
+  TileState st(work, qn * G, D, tile_width(s), qn > 1 && tile_dot<T>(s));
   for (int64_t i = 0; i < qn; ++i)
     for (int64_t g = 0; g < G; ++g) st.start_row(i * G + g, q + (i * s.H + h_first + g) * D, D, s.scale);
   const int64_t last = q_first_pos + qn - 1;
@@ -313,7 +334,7 @@ void shared_prefix_tiled(const T* q, const T* kc, const T* vc, const int64_t* ta
                          const int64_t* members, int64_t n_members, int64_t blocks, int64_t kh, const Shape& s,
                          float* state, float* work) {
   const int64_t D = s.D, G = s.H / s.KVH;
-  TileState st(work, n_members * G, D, tile_width(s));
+  TileState st(work, n_members * G, D, tile_width(s), tile_dot<T>(s));
   for (int64_t j = 0; j < n_members; ++j)
     for (int64_t g = 0; g < G; ++g) st.start_row(j * G + g, q + (q_starts[members[j]] * s.H + kh * G + g) * D, D, s.scale);
   tiled_blocks(st, kc, vc, table, 0, blocks, blocks * s.BS, kh * D, s,
