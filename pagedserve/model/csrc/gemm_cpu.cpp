@@ -295,6 +295,14 @@ struct KBlocking {
   int64_t max = kMaxKBlock, target = kKBlock;
 };
 
+// k blocks as long as half of L2 holds `per_k` bytes per k (a tile's W slice and x panel) where
+// that is longer than the default, else the default
+inline KBlocking l2_k_blocking(int64_t per_k) {
+  static const int64_t l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // bytes; 0 or -1 where unknown
+  const int64_t fits = l2 > 0 ? l2 / 2 / per_k / 4 * 4 : 0;
+  return fits > kMaxKBlock ? KBlocking{fits, fits} : KBlocking{};
+}
+
 // the length of the k blocks of a K-long sum, as even as whole blocks allow
 int64_t k_block(int64_t k, KBlocking kb) {
   if (k <= kb.max) return k;
@@ -327,10 +335,7 @@ struct Avx2Tile : TileShape<6, 1> {
   // at 64-256; bfloat16 weights 0.997-1.01×; the small model's (K = 1536) 1.01-1.05×.
   template <typename WT>
   static KBlocking k_blocking() {
-    static const int64_t l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // bytes; 0 or -1 where unknown
-    const int64_t per_k = kNR * static_cast<int64_t>(sizeof(WT)) + kMR * static_cast<int64_t>(sizeof(float));
-    const int64_t fits = l2 > 0 ? l2 / 2 / per_k / 4 * 4 : 0;
-    return fits > kMaxKBlock ? KBlocking{fits, fits} : KBlocking{};
+    return l2_k_blocking(kNR * static_cast<int64_t>(sizeof(WT)) + kMR * static_cast<int64_t>(sizeof(float)));
   }
   template <typename WT>
   static void product(const float* x, const WT* w, int64_t /*panel_stride*/, int64_t kc, int /*np*/, float* tile) {
@@ -343,8 +348,18 @@ struct Avx512Tile : TileShape<avx512::kMR, 1> {
     avx512::tile_product(x, w, panel_stride, kc, np, tile);
   }
 };
+// The AVX-512 bfloat16 tiles' k blocks (both tiles, so that one k limit says which shapes store
+// bfloat16 straight from the tiles): as long as half of L2 holds a group's W slice (48 bfloat16
+// columns) and an x panel (8 rows, float32 for the widening tile), 4096 with 1 MB of L2. One
+// block keeps every sum in registers and lets a K above ~1100 (the small model's down projection,
+// K = 1536; the medium's, 2816) store bfloat16 from the tiles instead of a float32 out that torch
+// then converts: the down projection at 1024-2048 rows ran ~0.9x oneDNN's rate in two blocks.
+inline KBlocking bf16_tile_k_blocking() { return l2_k_blocking(avx512::kCols * 2 + avx512::kMR * 4); }
+
 struct Avx512Bf16Tile : TileShape<avx512::kMR, 2> {
   static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
+  template <typename WT>
+  static KBlocking k_blocking() { return bf16_tile_k_blocking(); }
   static void product(const float* x, const uint16_t* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
     avx512::tile_product(x, w, panel_stride, kc, np, tile);
   }
@@ -354,6 +369,8 @@ struct Avx512Bf16Tile : TileShape<avx512::kMR, 2> {
 // the W lanes) per row and k pair, [ceil(kc/2)][8] words in the float-sized slots of the x block.
 struct Avx512DotTile : TileShape<avx512::kMR, 2> {
   static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
+  template <typename WT>
+  static KBlocking k_blocking() { return bf16_tile_k_blocking(); }
   static int64_t x_panel_elems(int64_t kc) { return kMR * w_k(kc) / 2; }
   static void pack_x(const uint16_t* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
     uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
@@ -640,13 +657,13 @@ void gemm_bf16kp(const void* x, int x_is_bf16, int64_t ldx, int64_t m, int64_t k
 }
 
 // 1 when gemm_bf16kp_bf16out takes this k (it fits one k block), else 0.
-int gemm_bf16kp_bf16out_takes(int64_t k) { return k <= kMaxKBlock ? 1 : 0; }
+int gemm_bf16kp_bf16out_takes(int64_t k) { return k <= bf16_tile_k_blocking().max ? 1 : 0; }
 
 // gemm_bf16kp with x bfloat16 and out bfloat16, each float32 sum (+ bias) rounded once as it is
 // stored: no float32 out to write, read back and convert. k must fit one k block (above).
 void gemm_bf16kp_bf16out(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
                          const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
-  if (k > kMaxKBlock) std::abort();
+  if (!gemm_bf16kp_bf16out_takes(k)) std::abort();
   gemm_bf16kp_bf16x(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
 
