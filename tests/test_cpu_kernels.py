@@ -137,14 +137,19 @@ def test_engine_greedy_same_with_and_without_native_kernel(llama_dir, monkeypatc
                                                            (16, 4, 128, 32), (10, 2, 64, 24), (12, 2, 128, 16),
                                                            (14, 2, 64, 16), (8, 1, 128, 16)])
 @pytest.mark.parametrize("decode_kernel", [True, False])
-def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head_dim, bs, decode_kernel):
+@pytest.mark.parametrize("dot", [True, False])
+def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head_dim, bs, decode_kernel, dot):
     """bfloat16 decodes, on the AVX-512 decode kernel (where this CPU has it) and on the row path,
     with and without shared-prefix blocks: both sum in float32, so each output may differ from a
     float32 reference on the same bfloat16 inputs only by its final rounding to bfloat16. Where the
     shared prefix goes through the AMX tiles or the vdpbf16ps walk, its probabilities are rounded
     to bfloat16 for the P V product (2^-9 of each weight), as on the prompt path: those rows get
-    that much more."""
+    that much more. With `dot` (where the CPU has AVX512-BF16) the decode kernel's scores run on
+    vdpbf16ps (exact products, float32 sums) and keep the same bound."""
     _kernel_or_skip()
+    if cpu_kernels.set_bf16_dot(dot) != dot:
+        cpu_kernels.set_bf16_dot(None)
+        pytest.skip("no AVX512-BF16 on this CPU (the vdpbf16ps paths are not built)")
     g = torch.Generator().manual_seed(3)
     n_blocks = 160
     kc, vc = _random_kv(g, n_blocks, bs, kv_heads, head_dim, torch.bfloat16)
@@ -164,10 +169,11 @@ def test_bf16_decodes_within_rounding_of_float32_attention(heads, kv_heads, head
         got = cpu_kernels.paged_decode_attention(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5).float()
     finally:
         cpu_kernels.set_decode_kernel(True)
+        cpu_kernels.set_bf16_dot(None)
     want = _reference(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
     # half a bfloat16 unit of the result, plus float32 summation-order slack
     bound = want.abs() * 2.0 ** -8 + 1e-5
-    if cpu_kernels.set_amx(True) or cpu_kernels.bf16_dot():  # the shared-prefix rows: + the probabilities' rounding
+    if cpu_kernels.set_amx(True) or dot:  # the shared-prefix rows: + the probabilities' rounding
         bound[5:] += vc.float().abs().max() * 2.0 ** -9
     assert ((got - want).abs() <= bound).all()
 

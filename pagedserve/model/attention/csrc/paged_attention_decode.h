@@ -8,11 +8,14 @@
 // for all of them (the row path does it once per head), and the scores of 16 (head, key) pairs
 // leave their accumulators through one 16-way add tree instead of 8-way trees per head: ~0.65 us
 // per block, 1.2-1.5x the row path on decode batches (cpu_attention_ab.py --dtype bfloat16).
+// Where the vdpbf16ps walk runs (paged_attention_dot.h), the scores here run on vdpbf16ps too:
+// 1.03-1.11x on W1-/W2-decode (Zen 4), the K rows no longer widened.
 // Float32 stays on the row path: its blocks are twice the bytes, decodes there run at ~90 % of
 // stream bandwidth already, and this kernel's loads pace the memory worse (0.8-0.97x out of
 // cache, W1 ~4 % slower end to end).
 #pragma once
 #include "paged_attention_common.h"
+#include "paged_attention_dot.h"
 
 #ifdef PS_HAVE_AVX512
 namespace {
@@ -44,7 +47,11 @@ inline __m512 transpose_sum16(const __m512* x) {
 // One decode (query row q [H, D] at position seq_len - 1) for kv heads [kh0, kh1) and their
 // G query heads each; DV = D / 16. With `state` (a shared-prefix decode), every head starts from
 // the shared pass's max, normaliser and sums at state[head * (D + 2)] and blocks from blk0 on.
-template <int G, int DV, typename T>
+// kDot (bfloat16 on AVX512-BF16, where use_bf16_dot): the scores on vdpbf16ps, the query and
+// key rows as bfloat16 pairs (no widening; products exact, sums float32) and the scale applied to
+// each finished score, as in paged_attention_dot.h; P·V stays on float32 FMAs with float32
+// probabilities, so a decode's result differs from the FMA scores' only by float32 rounding.
+template <int G, int DV, typename T, bool kDot = false>
 void item_decode(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t seq_len, int64_t kh0,
                  int64_t kh1, const Shape& s, T* out, float* work, int64_t blk0, const float* state) {
   constexpr int D = 16 * DV;
@@ -92,10 +99,12 @@ void item_decode(const T* q, const T* kc, const T* vc, const int64_t* table, int
         const int64_t i0 = (kh - kh0) * G;
         const T* kb = kc + boff + j * row_stride + kh * D;
         __m512 qv[G][DV];
+        if constexpr (!kDot) {
 #pragma GCC unroll 8
-        for (int g = 0; g < G; ++g)
+          for (int g = 0; g < G; ++g)
 #pragma GCC unroll 8
-          for (int c = 0; c < DV; ++c) qv[g][c] = _mm512_loadu_ps(qf + (i0 + g) * D + 16 * c);
+            for (int c = 0; c < DV; ++c) qv[g][c] = _mm512_loadu_ps(qf + (i0 + g) * D + 16 * c);
+        }
         for (int64_t k0 = 0; k0 < n; k0 += KC) {
           pf.step();
           __m512 a[16];
@@ -105,16 +114,34 @@ void item_decode(const T* q, const T* kc, const T* vc, const int64_t* table, int
           const T* kr[KC];
 #pragma GCC unroll 16
           for (int k = 0; k < KC; ++k) kr[k] = kb + std::min<int64_t>(k0 + k, n - 1) * row_stride;
-#pragma GCC unroll 8
-          for (int c = 0; c < DV; ++c)
+          if constexpr (kDot) {
+#ifdef PS_HAVE_BF16_DOT
+            const T* qb = q + kh * G * D;  // the G heads' bfloat16 rows, unscaled
+#pragma GCC unroll 4
+            for (int c = 0; c < DV / 2; ++c)
 #pragma GCC unroll 16
-            for (int k = 0; k < KC; ++k) {
-              __m512 kv = load16(kr[k] + 16 * c);
-              PS_KEEP16(kv);  // one load for the G heads, not one folded into each FMA
+              for (int k = 0; k < KC; ++k) {
+                __m512i kv = _mm512_loadu_si512(kr[k] + 32 * c);
+                PS_KEEP16(kv);
 #pragma GCC unroll 8
-              for (int g = 0; g < G; ++g) a[g * KC + k] = _mm512_fmadd_ps(qv[g][c], kv, a[g * KC + k]);
-            }
-          const __m512 r = transpose_sum16(a);  // lane g * KC + k: head g, key k0 + k
+                for (int g = 0; g < G; ++g)
+                  a[g * KC + k] = _mm512_dpbf16_ps(a[g * KC + k], (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * c),
+                                                   (__m512bh)kv);
+              }
+#endif
+          } else {
+#pragma GCC unroll 8
+            for (int c = 0; c < DV; ++c)
+#pragma GCC unroll 16
+              for (int k = 0; k < KC; ++k) {
+                __m512 kv = load16(kr[k] + 16 * c);
+                PS_KEEP16(kv);  // one load for the G heads, not one folded into each FMA
+#pragma GCC unroll 8
+                for (int g = 0; g < G; ++g) a[g * KC + k] = _mm512_fmadd_ps(qv[g][c], kv, a[g * KC + k]);
+              }
+          }
+          __m512 r = transpose_sum16(a);  // lane g * KC + k: head g, key k0 + k
+          if constexpr (kDot) r = _mm512_mul_ps(r, _mm512_set1_ps(s.scale));
           alignas(64) float lanes[16];
           _mm512_store_ps(lanes, r);
 #pragma GCC unroll 8
@@ -184,17 +211,17 @@ template <typename T>
 using DecodeFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, const Shape&, T*,
                           float*, int64_t, const float*);
 
-template <int DV, typename T>
+template <int DV, typename T, bool kDot = false>
 DecodeFn<T> decode_for_group(int64_t G) {
   switch (G) {
-    case 1: return item_decode<1, DV, T>;
-    case 2: return item_decode<2, DV, T>;
-    case 3: return item_decode<3, DV, T>;
-    case 4: return item_decode<4, DV, T>;
-    case 5: return item_decode<5, DV, T>;
-    case 6: return item_decode<6, DV, T>;
-    case 7: return item_decode<7, DV, T>;
-    case 8: return item_decode<8, DV, T>;
+    case 1: return item_decode<1, DV, T, kDot>;
+    case 2: return item_decode<2, DV, T, kDot>;
+    case 3: return item_decode<3, DV, T, kDot>;
+    case 4: return item_decode<4, DV, T, kDot>;
+    case 5: return item_decode<5, DV, T, kDot>;
+    case 6: return item_decode<6, DV, T, kDot>;
+    case 7: return item_decode<7, DV, T, kDot>;
+    case 8: return item_decode<8, DV, T, kDot>;
     default: return nullptr;
   }
 }
@@ -206,6 +233,12 @@ DecodeFn<T> decode_kernel(const Shape& s) {
     return nullptr;
   } else {
     const int64_t G = s.H / s.KVH;
+#ifdef PS_HAVE_BF16_DOT
+    if (use_bf16_dot) {
+      if (s.D == 64) return decode_for_group<4, T, true>(G);
+      if (s.D == 128) return decode_for_group<8, T, true>(G);
+    }
+#endif
     if (s.D == 64) return decode_for_group<4, T>(G);
     if (s.D == 128) return decode_for_group<8, T>(G);
     return nullptr;
