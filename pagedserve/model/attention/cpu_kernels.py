@@ -90,8 +90,9 @@ def set_amx(on: bool) -> bool:
 
 
 def set_bf16_dot(on: bool | None) -> bool:
-    """bfloat16 prompt chunks and shared-prefix passes of the tiled path on vdpbf16ps (True, where
-    the CPU has AVX512-BF16) or on float32 FMAs (False); None restores the default, which follows
+    """bfloat16 prompt chunks and shared-prefix passes of the tiled path, and the decode kernel's
+    scores, on vdpbf16ps (True, where the CPU has AVX512-BF16) or on float32 FMAs (False); None
+    restores the default, which follows
     the GEMM library's probe (cpu_gemm.bf16_dot(): on where vdpbf16ps issues as often as an FMA,
     AMD Zen 4). For A/B runs and tests. Returns whether the walk is now in use."""
     global _bf16_dot
@@ -105,6 +106,6 @@ def set_bf16_dot(on: bool | None) -> bool:
 
 
 def bf16_dot() -> bool:
-    """Whether the tiled path's bfloat16 walk runs on vdpbf16ps now (see set_bf16_dot)."""
+    """Whether bfloat16 attention runs its products on vdpbf16ps now (see set_bf16_dot)."""
     load()
     return bool(_bf16_dot)

@@ -270,7 +270,8 @@ int paged_attention_set_amx(int on) {
 #endif
 }
 // 1 = bfloat16 prompt chunks and shared-prefix passes on the tiled path take the vdpbf16ps walk
-// (paged_attention_dot.h), 0 = the float32 FMA walk (the default: cpu_kernels.py turns it on
+// (paged_attention_dot.h) and the decode kernel's scores run on vdpbf16ps, 0 = float32 FMAs for
+// both (the default: cpu_kernels.py turns it on
 // where the GEMM library's probe finds vdpbf16ps faster than FMAs). Returns 1 when the walk is
 // built in (AVX512-BF16).
 int paged_attention_set_bf16_dot(int on) {
