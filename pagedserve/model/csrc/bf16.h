@@ -40,13 +40,25 @@ inline __m256i bits8(__m256 v) {
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 // the 8 rounded values packed into 16 bytes
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// one conversion instruction, as pack16 below (the same bits under the engine's FTZ/DAZ)
+inline __m128i pack8(__m256 v) {
+  const __m128i r = reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v));
+  return _mm_mask_blend_epi16(_mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm_set1_epi16(0x7fc0));
+}
+// v as bfloat16 would hold it, widened back
+inline __m256 round8(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(pack8(v)), 16));
+}
+#else
 inline __m128i pack8(__m256 v) {
   const __m256i r = bits8(v);  // each lane < 65536, so the unsigned saturation keeps it
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
-inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack8(v)); }
 // v as bfloat16 would hold it, widened back
 inline __m256 round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits8(v), 16)); }
+#endif
+inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack8(v)); }
 #endif
 
 #if defined(__AVX512F__)
