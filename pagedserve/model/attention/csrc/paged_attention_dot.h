@@ -166,28 +166,6 @@ inline void dot_pv_tile(float* acc, int64_t D, const float* alpha, const uint32_
 }
 #undef PS_DOT_ROWS
 
-// The tiles above for nr <= 6 rows and nv (score columns or dims) <= 4 vectors, picked at run time.
-template <int NR>
-inline void dot_scores_nk(const uint32_t* qp, int64_t DP, const uint32_t* KP, int64_t SW, float scale, float* s,
-                          int64_t nk) {
-  switch (nk) {
-    case 4: return dot_scores_tile<NR, 4>(qp, DP, KP, SW, scale, s);
-    case 3: return dot_scores_tile<NR, 3>(qp, DP, KP, SW, scale, s);
-    case 2: return dot_scores_tile<NR, 2>(qp, DP, KP, SW, scale, s);
-    default: return dot_scores_tile<NR, 1>(qp, DP, KP, SW, scale, s);
-  }
-}
-template <int NR>
-inline void dot_pv_nv(float* acc, int64_t D, const float* alpha, const uint32_t* pp, int64_t ldP, const uint32_t* VP,
-                      int64_t np, int64_t c, int64_t nv) {
-  switch (nv) {
-    case 4: return dot_pv_tile<NR, 4>(acc, D, alpha, pp, ldP, VP, np, c);
-    case 3: return dot_pv_tile<NR, 3>(acc, D, alpha, pp, ldP, VP, np, c);
-    case 2: return dot_pv_tile<NR, 2>(acc, D, alpha, pp, ldP, VP, np, c);
-    default: return dot_pv_tile<NR, 1>(acc, D, alpha, pp, ldP, VP, np, c);
-  }
-}
-
 // scores of all `rows` rows over the span's first `cols` columns (a multiple of 16)
 inline void dot_span_scores(const uint32_t* qp, int64_t rows, int64_t D, const uint32_t* KP, int64_t SW, int64_t cols,
                             float scale, float* s) {
@@ -198,14 +176,9 @@ inline void dot_span_scores(const uint32_t* qp, int64_t rows, int64_t D, const u
       const uint32_t* qr = qp + r * DP;
       const uint32_t* kp = KP + c;
       float* sr = s + r * SW + c;
-      switch (std::min(kSpanTileRows, rows - r)) {
-        case 6: dot_scores_nk<6>(qr, DP, kp, SW, scale, sr, nk); break;
-        case 5: dot_scores_nk<5>(qr, DP, kp, SW, scale, sr, nk); break;
-        case 4: dot_scores_nk<4>(qr, DP, kp, SW, scale, sr, nk); break;
-        case 3: dot_scores_nk<3>(qr, DP, kp, SW, scale, sr, nk); break;
-        case 2: dot_scores_nk<2>(qr, DP, kp, SW, scale, sr, nk); break;
-        default: dot_scores_nk<1>(qr, DP, kp, SW, scale, sr, nk); break;
-      }
+      with_tile_shape(std::min(kSpanTileRows, rows - r), nk, [&](auto NR, auto NK) {
+        dot_scores_tile<decltype(NR)::value, decltype(NK)::value>(qr, DP, kp, SW, scale, sr);
+      });
     }
   }
 }
@@ -223,14 +196,9 @@ inline void dot_span_pv(float* acc, int64_t rows, int64_t D, const float* alpha,
       float* ar = acc + r * D;
       const float* al = alpha + r;
       const uint32_t* pr = pp + r * SW;
-      switch (nr) {
-        case 6: dot_pv_nv<6>(ar, D, al, pr, SW, VP, np, c, nv); break;
-        case 5: dot_pv_nv<5>(ar, D, al, pr, SW, VP, np, c, nv); break;
-        case 4: dot_pv_nv<4>(ar, D, al, pr, SW, VP, np, c, nv); break;
-        case 3: dot_pv_nv<3>(ar, D, al, pr, SW, VP, np, c, nv); break;
-        case 2: dot_pv_nv<2>(ar, D, al, pr, SW, VP, np, c, nv); break;
-        default: dot_pv_nv<1>(ar, D, al, pr, SW, VP, np, c, nv); break;
-      }
+      with_tile_shape(nr, nv, [&](auto NR, auto NV) {
+        dot_pv_tile<decltype(NR)::value, decltype(NV)::value>(ar, D, al, pr, SW, VP, np, c);
+      });
     }
   }
 }

@@ -16,6 +16,8 @@
 #pragma once
 #include "paged_attention_common.h"
 
+#include <type_traits>
+
 #ifdef PS_HAVE_AVX2
 namespace {
 
@@ -162,24 +164,25 @@ inline void span_pv_tile(float* acc, int64_t D, const float* alpha, const float*
 
 constexpr int64_t kSpanTileRows = 6;
 
-// The tiles above for nr <= 6 rows and nv (score columns or dims) <= 4 vectors, picked at run time.
-template <int NR>
-inline void span_scores_nk(const float* q, int64_t D, const float* KT, int64_t SW, float* s, int64_t nk) {
-  switch (nk) {
-    case 4: return span_scores_tile<NR, 4>(q, D, KT, SW, s);
-    case 3: return span_scores_tile<NR, 3>(q, D, KT, SW, s);
-    case 2: return span_scores_tile<NR, 2>(q, D, KT, SW, s);
-    default: return span_scores_tile<NR, 1>(q, D, KT, SW, s);
-  }
-}
-template <int NR, typename T>
-inline void span_pv_nv(float* acc, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* const* vblk,
-                       int64_t BS, int64_t stride, int64_t n, int64_t c, int64_t nv) {
+// Calls f(NR, NV) for run-time nr <= 6 rows and nv <= 4 vectors (score columns or dims), both
+// as std::integral_constant, so that each (NR, NV) runs its own fully unrolled register tile.
+template <typename F>
+inline void with_tile_shape(int64_t nr, int64_t nv, F&& f) {
+  auto rows = [&](auto NV) {
+    switch (nr) {
+      case 6: return f(std::integral_constant<int, 6>{}, NV);
+      case 5: return f(std::integral_constant<int, 5>{}, NV);
+      case 4: return f(std::integral_constant<int, 4>{}, NV);
+      case 3: return f(std::integral_constant<int, 3>{}, NV);
+      case 2: return f(std::integral_constant<int, 2>{}, NV);
+      default: return f(std::integral_constant<int, 1>{}, NV);
+    }
+  };
   switch (nv) {
-    case 4: return span_pv_tile<NR, 4>(acc, D, alpha, p, ldP, vblk, BS, stride, n, c);
-    case 3: return span_pv_tile<NR, 3>(acc, D, alpha, p, ldP, vblk, BS, stride, n, c);
-    case 2: return span_pv_tile<NR, 2>(acc, D, alpha, p, ldP, vblk, BS, stride, n, c);
-    default: return span_pv_tile<NR, 1>(acc, D, alpha, p, ldP, vblk, BS, stride, n, c);
+    case 4: return rows(std::integral_constant<int, 4>{});
+    case 3: return rows(std::integral_constant<int, 3>{});
+    case 2: return rows(std::integral_constant<int, 2>{});
+    default: return rows(std::integral_constant<int, 1>{});
   }
 }
 
@@ -191,14 +194,9 @@ inline void span_scores(const float* q, int64_t rows, int64_t D, const float* KT
       const float* qr = q + r * D;
       const float* kt = KT + c;
       float* sr = s + r * SW + c;
-      switch (std::min(kSpanTileRows, rows - r)) {
-        case 6: span_scores_nk<6>(qr, D, kt, SW, sr, nk); break;
-        case 5: span_scores_nk<5>(qr, D, kt, SW, sr, nk); break;
-        case 4: span_scores_nk<4>(qr, D, kt, SW, sr, nk); break;
-        case 3: span_scores_nk<3>(qr, D, kt, SW, sr, nk); break;
-        case 2: span_scores_nk<2>(qr, D, kt, SW, sr, nk); break;
-        default: span_scores_nk<1>(qr, D, kt, SW, sr, nk); break;
-      }
+      with_tile_shape(std::min(kSpanTileRows, rows - r), nk, [&](auto NR, auto NK) {
+        span_scores_tile<decltype(NR)::value, decltype(NK)::value>(qr, D, kt, SW, sr);
+      });
     }
   }
 }
@@ -215,14 +213,9 @@ inline void span_pv(float* acc, int64_t rows, int64_t D, const float* alpha, con
       const int64_t nv = std::min<int64_t>(4, (D - c) / 16);
       float* ar = acc + r * D;
       const float *al = alpha + r, *pr = p + r * SW;
-      switch (nr) {
-        case 6: span_pv_nv<6>(ar, D, al, pr, SW, vblk, BS, stride, n, c, nv); break;
-        case 5: span_pv_nv<5>(ar, D, al, pr, SW, vblk, BS, stride, n, c, nv); break;
-        case 4: span_pv_nv<4>(ar, D, al, pr, SW, vblk, BS, stride, n, c, nv); break;
-        case 3: span_pv_nv<3>(ar, D, al, pr, SW, vblk, BS, stride, n, c, nv); break;
-        case 2: span_pv_nv<2>(ar, D, al, pr, SW, vblk, BS, stride, n, c, nv); break;
-        default: span_pv_nv<1>(ar, D, al, pr, SW, vblk, BS, stride, n, c, nv); break;
-      }
+      with_tile_shape(nr, nv, [&](auto NR, auto NV) {
+        span_pv_tile<decltype(NR)::value, decltype(NV)::value>(ar, D, al, pr, SW, vblk, BS, stride, n, c);
+      });
     }
   }
 }
