@@ -68,28 +68,11 @@ inline size_t amx_work_floats(int64_t rows, const Shape& s) {
   return static_cast<size_t>(NG * (D * 16 + 3 * 16 + D / 2 * 16) + 3 * SW * D / 2 + SW * 16 + SW / 2 * 16 + D * 16 + 64);
 }
 
-// W[p * SW + t] = the dim pair p of token t of the span (rows `stride` apart in blocks of BS), 0
-// for t >= nk: a 32-bit transpose
-inline void amx_transpose_pairs(const uint16_t* const* blk, int64_t BS, int64_t stride, int64_t nk, int64_t D,
-                                int64_t SW, uint32_t* W) {
-  for (int64_t t0 = 0; t0 < SW; t0 += 8) {
-    const uint16_t* rows[8];
-    for (int j = 0; j < 8; ++j) rows[j] = t0 + j < nk ? blk[(t0 + j) / BS] + (t0 + j) % BS * stride : nullptr;
-    for (int64_t p0 = 0; p0 < D / 2; p0 += 8) {
-      __m256 r[8];
-      for (int j = 0; j < 8; ++j)
-        r[j] = rows[j] != nullptr ? _mm256_loadu_ps(reinterpret_cast<const float*>(rows[j] + 2 * p0)) : _mm256_setzero_ps();
-      transpose8x8(r);  // (moves 32-bit lanes, whatever they hold)
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(W + (p0 + j) * SW + t0), r[j]);
-    }
-  }
-}
-
 // VT[d * SW + t] = v_t[d], 0 for t >= nk: the dim pairs' transpose W, each row of pairs split into
 // its even and odd dims
 inline void amx_pack_values_t(const uint16_t* const* vblk, int64_t BS, int64_t stride, int64_t nk, int64_t D,
                               int64_t SW, uint32_t* W, uint16_t* VT) {
-  amx_transpose_pairs(vblk, BS, stride, nk, D, SW, W);
+  transpose_span_pairs(vblk, BS, stride, nk, D, SW, W);
   alignas(64) uint16_t even_idx[32], odd_idx[32];
   for (int i = 0; i < 32; ++i) even_idx[i] = static_cast<uint16_t>(2 * i), odd_idx[i] = static_cast<uint16_t>(2 * i + 1);
   const __m512i ev = _mm512_load_si512(even_idx), od = _mm512_load_si512(odd_idx);

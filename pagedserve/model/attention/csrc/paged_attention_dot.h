@@ -30,24 +30,6 @@ bool use_bf16_dot = false;  // off until cpu_kernels.py sets it from the GEMM li
 // packs 32 dims of a token pair)
 inline bool dot_path(const Shape& s) { return use_bf16_dot && s.D % 32 == 0; }
 
-// KP[j * SW + t] = the word of dims (2j, 2j + 1) of key t (token t % BS of block t / BS) for
-// t < nk, 0 for t in [nk, SW): the key rows' 32-bit words transposed, 8 x 8 at a time
-inline void pack_span_keys(const uint16_t* const* kblk, int64_t BS, int64_t stride, int64_t nk, int64_t D,
-                           int64_t SW, uint32_t* KP) {
-  for (int64_t t0 = 0; t0 < SW; t0 += 8) {
-    const uint16_t* rows[8];
-    for (int j = 0; j < 8; ++j) rows[j] = t0 + j < nk ? kblk[(t0 + j) / BS] + (t0 + j) % BS * stride : nullptr;
-    for (int64_t w0 = 0; w0 < D / 2; w0 += 8) {
-      __m256 r[8];  // (float lanes only move bits here: unpack, shuffle and permute do no arithmetic)
-      for (int j = 0; j < 8; ++j)
-        r[j] = rows[j] != nullptr ? _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + 2 * w0)))
-                                  : _mm256_setzero_ps();
-      transpose8x8(r);
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(KP + (w0 + j) * SW + t0), r[j]);
-    }
-  }
-}
-
 // VP[i * D + d] = the word of tokens (2i, 2i + 1) of the span at dim d, for the pairs i < (nk + 1) / 2
 // (a token at or past nk: 0)
 inline void pack_span_values(const uint16_t* const* vblk, int64_t BS, int64_t stride, int64_t nk, int64_t D,
@@ -72,16 +54,11 @@ inline void pack_span_values(const uint16_t* const* vblk, int64_t BS, int64_t st
   }
 }
 
-#define PS_DOT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-
 // s[r * SW + c] = scale * sum_j qp[r][j] . KP[j][c] for NR <= 6 rows (query words qp, DP per row)
 // and the 16 * NK <= 64 columns from KP
 template <int NR, int NK>
 inline void dot_scores_tile(const uint32_t* qp, int64_t DP, const uint32_t* KP, int64_t SW, float scale, float* s) {
-#define PS_DECL(i)                                                                              \
-  __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0;
-  PS_DOT_ROWS(PS_DECL)
-#undef PS_DECL
+  PS_SPAN_ROWS(PS_TILE_ZERO)
   for (int64_t j = 0; j < DP; ++j) {
     const uint32_t* kp = KP + j * SW;
     __m512i k0 = _mm512_loadu_si512(kp), k1 = k0, k2 = k0, k3 = k0;
@@ -100,18 +77,15 @@ inline void dot_scores_tile(const uint32_t* qp, int64_t DP, const uint32_t* KP, 
     if (NK > 2) a##i##2 = _mm512_dpbf16_ps(a##i##2, b, (__m512bh)k2);                       \
     if (NK > 3) a##i##3 = _mm512_dpbf16_ps(a##i##3, b, (__m512bh)k3);                       \
   }
-    PS_DOT_ROWS(PS_DOT)
+    PS_SPAN_ROWS(PS_DOT)
 #undef PS_DOT
   }
   const __m512 sc = _mm512_set1_ps(scale);
-#define PS_STORE(i)                                                                \
-  if (NR > i) {                                                                    \
-    _mm512_storeu_ps(s + i * SW, _mm512_mul_ps(a##i##0, sc));                      \
-    if (NK > 1) _mm512_storeu_ps(s + i * SW + 16, _mm512_mul_ps(a##i##1, sc));     \
-    if (NK > 2) _mm512_storeu_ps(s + i * SW + 32, _mm512_mul_ps(a##i##2, sc));     \
-    if (NK > 3) _mm512_storeu_ps(s + i * SW + 48, _mm512_mul_ps(a##i##3, sc));     \
-  }
-  PS_DOT_ROWS(PS_STORE)
+#define PS_STORE(i)                                                              \
+  a##i##0 = _mm512_mul_ps(a##i##0, sc), a##i##1 = _mm512_mul_ps(a##i##1, sc);     \
+  a##i##2 = _mm512_mul_ps(a##i##2, sc), a##i##3 = _mm512_mul_ps(a##i##3, sc);     \
+  PS_TILE_STORE(i, NK, s + i * SW)
+  PS_SPAN_ROWS(PS_STORE)
 #undef PS_STORE
 }
 
@@ -120,17 +94,8 @@ inline void dot_scores_tile(const uint32_t* qp, int64_t DP, const uint32_t* KP, 
 template <int NR, int NV>
 inline void dot_pv_tile(float* acc, int64_t D, const float* alpha, const uint32_t* pp, int64_t ldP,
                         const uint32_t* VP, int64_t np, int64_t c) {
-#define PS_LOAD(i)                                                                      \
-  __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0; \
-  if (NR > i) {                                                                         \
-    const __m512 al = _mm512_set1_ps(alpha[i]);                                         \
-    const float* ar = acc + i * D + c;                                                  \
-    a##i##0 = _mm512_mul_ps(_mm512_loadu_ps(ar), al);                                   \
-    if (NV > 1) a##i##1 = _mm512_mul_ps(_mm512_loadu_ps(ar + 16), al);                  \
-    if (NV > 2) a##i##2 = _mm512_mul_ps(_mm512_loadu_ps(ar + 32), al);                  \
-    if (NV > 3) a##i##3 = _mm512_mul_ps(_mm512_loadu_ps(ar + 48), al);                  \
-  }
-  PS_DOT_ROWS(PS_LOAD)
+#define PS_LOAD(i) PS_TILE_LOAD_SCALED(i, NV, acc + i * D + c, alpha[i])
+  PS_SPAN_ROWS(PS_LOAD)
 #undef PS_LOAD
   for (int64_t i = 0; i < np; ++i) {
     const uint32_t* v = VP + i * D + c;
@@ -150,21 +115,13 @@ inline void dot_pv_tile(float* acc, int64_t D, const float* alpha, const uint32_
     if (NV > 2) a##i_##2 = _mm512_dpbf16_ps(a##i_##2, b, (__m512bh)v2);                     \
     if (NV > 3) a##i_##3 = _mm512_dpbf16_ps(a##i_##3, b, (__m512bh)v3);                     \
   }
-    PS_DOT_ROWS(PS_DOT)
+    PS_SPAN_ROWS(PS_DOT)
 #undef PS_DOT
   }
-#define PS_STORE(i)                                              \
-  if (NR > i) {                                                  \
-    float* ar = acc + i * D + c;                                 \
-    _mm512_storeu_ps(ar, a##i##0);                               \
-    if (NV > 1) _mm512_storeu_ps(ar + 16, a##i##1);              \
-    if (NV > 2) _mm512_storeu_ps(ar + 32, a##i##2);              \
-    if (NV > 3) _mm512_storeu_ps(ar + 48, a##i##3);              \
-  }
-  PS_DOT_ROWS(PS_STORE)
+#define PS_STORE(i) PS_TILE_STORE(i, NV, acc + i * D + c)
+  PS_SPAN_ROWS(PS_STORE)
 #undef PS_STORE
 }
-#undef PS_DOT_ROWS
 
 // scores of all `rows` rows over the span's first `cols` columns (a multiple of 16)
 inline void dot_span_scores(const uint32_t* qp, int64_t rows, int64_t D, const uint32_t* KP, int64_t SW, int64_t cols,
@@ -233,7 +190,7 @@ void span_walk_dot(State& st, const uint16_t* kc, const uint16_t* vc, const int6
     const int64_t nb = std::min(NB, blk1 - b0), t0 = b0 * s.BS, nk = std::min(nb * s.BS, end - t0);
     span_block_rows(kc, vc, table, b0, nb, hoff, s, kblk, vblk);
     fill_n(t0, nk);
-    pack_span_keys(kblk, s.BS, stride, nk, D, SW, KP);
+    transpose_span_pairs(kblk, s.BS, stride, nk, D, SW, KP);  // KP[j * SW + t]: dims (2j, 2j + 1) of key t
     pack_span_values(vblk, s.BS, stride, nk, D, VP);
     dot_span_scores(qp, RK, D, KP, SW, (nk + 15) / 16 * 16, s.scale, st.sp);
     for (int64_t r = 0; r < RK; ++r) {

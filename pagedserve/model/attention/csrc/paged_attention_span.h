@@ -45,6 +45,24 @@ inline void transpose_span_keys(const T* const* kblk, int64_t BS, int64_t stride
   }
 }
 
+// W[p * SW + t] = the 32-bit word of dims (2p, 2p + 1) of bfloat16 token t of the span (token t % BS
+// of block t / BS, rows `stride` apart) for t < nk, 0 for t in [nk, SW): the rows' words transposed,
+// 8 x 8 at a time (the AMX path's keys and values, the vdpbf16ps walk's keys)
+inline void transpose_span_pairs(const uint16_t* const* blk, int64_t BS, int64_t stride, int64_t nk, int64_t D,
+                                 int64_t SW, uint32_t* W) {
+  for (int64_t t0 = 0; t0 < SW; t0 += 8) {
+    const uint16_t* rows[8];
+    for (int j = 0; j < 8; ++j) rows[j] = t0 + j < nk ? blk[(t0 + j) / BS] + (t0 + j) % BS * stride : nullptr;
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j)
+        r[j] = rows[j] != nullptr ? _mm256_loadu_ps(reinterpret_cast<const float*>(rows[j] + 2 * p0)) : _mm256_setzero_ps();
+      transpose8x8(r);  // (moves 32-bit lanes, whatever they hold)
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(reinterpret_cast<float*>(W + (p0 + j) * SW + t0), r[j]);
+    }
+  }
+}
+
 // The span at block b0 (nb blocks): where each block's K and V rows of the kv head at element
 // offset hoff start, for both walks.
 template <typename T>
@@ -66,16 +84,37 @@ namespace {
 // whether the 16-wide span walk takes this shape (else the 8-wide one, paged_attention_tiled.h)
 inline bool span_path(const Shape& s) { return s.D % 16 == 0; }
 
-// The register tiles name every accumulator (see the note in paged_attention_tiled.h).
+// The register tiles name every accumulator (see the note in paged_attention_tiled.h): row i of
+// a tile holds a##i##0 .. a##i##3, 16 columns each. These macros, shared with the vdpbf16ps tiles
+// (paged_attention_dot.h), run X(i) for every row and declare, load and store the accumulators of
+// row i for a tile of NR rows and W (<= 4) vectors.
 #define PS_SPAN_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define PS_TILE_ZERO(i) \
+  __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0;
+// the accumulators = scale * the W vectors at src (a row's running sums rescaled by its alpha)
+#define PS_TILE_LOAD_SCALED(i, W, src, scale)                                  \
+  PS_TILE_ZERO(i)                                                              \
+  if (NR > i) {                                                                \
+    const __m512 al = _mm512_set1_ps(scale);                                   \
+    const float* ar = (src);                                                   \
+    a##i##0 = _mm512_mul_ps(_mm512_loadu_ps(ar), al);                          \
+    if (W > 1) a##i##1 = _mm512_mul_ps(_mm512_loadu_ps(ar + 16), al);          \
+    if (W > 2) a##i##2 = _mm512_mul_ps(_mm512_loadu_ps(ar + 32), al);          \
+    if (W > 3) a##i##3 = _mm512_mul_ps(_mm512_loadu_ps(ar + 48), al);          \
+  }
+#define PS_TILE_STORE(i, W, dst)                           \
+  if (NR > i) {                                            \
+    float* o_ = (dst);                                     \
+    _mm512_storeu_ps(o_, a##i##0);                         \
+    if (W > 1) _mm512_storeu_ps(o_ + 16, a##i##1);         \
+    if (W > 2) _mm512_storeu_ps(o_ + 32, a##i##2);         \
+    if (W > 3) _mm512_storeu_ps(o_ + 48, a##i##3);         \
+  }
 
 // s[r * SW + c] = sum_d q[r][d] * KT[d][c] for NR <= 6 rows and the 16 * NK <= 64 columns from KT
 template <int NR, int NK>
 inline void span_scores_tile(const float* q, int64_t D, const float* KT, int64_t SW, float* s) {
-#define PS_DECL(i)                                                                              \
-  __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0;
-  PS_SPAN_ROWS(PS_DECL)
-#undef PS_DECL
+  PS_SPAN_ROWS(PS_TILE_ZERO)
   for (int64_t d = 0; d < D; ++d) {
     const float* kt = KT + d * SW;
     __m512 k0 = _mm512_loadu_ps(kt), k1 = k0, k2 = k0, k3 = k0;
@@ -97,13 +136,7 @@ inline void span_scores_tile(const float* q, int64_t D, const float* KT, int64_t
     PS_SPAN_ROWS(PS_FMA)
 #undef PS_FMA
   }
-#define PS_STORE(i)                                              \
-  if (NR > i) {                                                  \
-    _mm512_storeu_ps(s + i * SW, a##i##0);                       \
-    if (NK > 1) _mm512_storeu_ps(s + i * SW + 16, a##i##1);      \
-    if (NK > 2) _mm512_storeu_ps(s + i * SW + 32, a##i##2);      \
-    if (NK > 3) _mm512_storeu_ps(s + i * SW + 48, a##i##3);      \
-  }
+#define PS_STORE(i) PS_TILE_STORE(i, NK, s + i * SW)
   PS_SPAN_ROWS(PS_STORE)
 #undef PS_STORE
 }
@@ -113,16 +146,7 @@ inline void span_scores_tile(const float* q, int64_t D, const float* KT, int64_t
 template <int NR, int NV, typename T>
 inline void span_pv_tile(float* acc, int64_t D, const float* alpha, const float* p, int64_t ldP, const T* const* vblk,
                          int64_t BS, int64_t stride, int64_t n, int64_t c) {
-#define PS_LOAD(i)                                                                      \
-  __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0; \
-  if (NR > i) {                                                                         \
-    const __m512 al = _mm512_set1_ps(alpha[i]);                                         \
-    const float* ar = acc + i * D + c;                                                  \
-    a##i##0 = _mm512_mul_ps(_mm512_loadu_ps(ar), al);                                   \
-    if (NV > 1) a##i##1 = _mm512_mul_ps(_mm512_loadu_ps(ar + 16), al);                  \
-    if (NV > 2) a##i##2 = _mm512_mul_ps(_mm512_loadu_ps(ar + 32), al);                  \
-    if (NV > 3) a##i##3 = _mm512_mul_ps(_mm512_loadu_ps(ar + 48), al);                  \
-  }
+#define PS_LOAD(i) PS_TILE_LOAD_SCALED(i, NV, acc + i * D + c, alpha[i])
   PS_SPAN_ROWS(PS_LOAD)
 #undef PS_LOAD
   int64_t t = 0;
@@ -149,18 +173,10 @@ inline void span_pv_tile(float* acc, int64_t D, const float* alpha, const float*
 #undef PS_FMA
     }
   }
-#define PS_STORE(i)                                              \
-  if (NR > i) {                                                  \
-    float* ar = acc + i * D + c;                                 \
-    _mm512_storeu_ps(ar, a##i##0);                               \
-    if (NV > 1) _mm512_storeu_ps(ar + 16, a##i##1);              \
-    if (NV > 2) _mm512_storeu_ps(ar + 32, a##i##2);              \
-    if (NV > 3) _mm512_storeu_ps(ar + 48, a##i##3);              \
-  }
+#define PS_STORE(i) PS_TILE_STORE(i, NV, acc + i * D + c)
   PS_SPAN_ROWS(PS_STORE)
 #undef PS_STORE
 }
-#undef PS_SPAN_ROWS
 
 constexpr int64_t kSpanTileRows = 6;
 
