@@ -40,7 +40,7 @@ constexpr int64_t kNR = 16;          // columns of the register tile = the width
 // re-writes the output, so fewer, longer blocks win even though a panel's slice (kc × 16 floats,
 // 64 KB at kc = 1024) then sits in L2 rather than L1: on the medium model's shapes (K = 1024 and
 // 2816) kc ≈ 1024 measured 3-7 % faster than kc ≈ 512, the same on the small model's. The AVX2
-// tile goes further where L2 allows (Avx2Tile::k_blocking).
+// tile and the AVX-512 float32 tile go further where L2 allows (their k_blocking).
 constexpr int64_t kMaxKBlock = 1100;
 constexpr int64_t kKBlock = 1024;
 constexpr int64_t kRowBlock = 510;  // rows of x packed at a time (a multiple of kMR): 2 MB at kc = 1024
@@ -342,8 +342,15 @@ struct Avx2Tile : TileShape<6, 1> {
     tile_product(x, w, kc, tile);
   }
 };
+// The float32 AVX-512 tile's k blocks, as the bfloat16 tiles' below: as long as half of L2 holds a
+// group's W slice and an x panel (2340 with 1 MB of L2), so the small model's down projection
+// (K = 1536) runs in one block instead of two of 768, whose second re-read and re-wrote the out
+// tile: down 1.02-1.11x at 32-2048 rows, the medium model's (K = 2816, two blocks instead of
+// three) 1.02-1.04x (benchmarks/cpu_gemm_lib_ab.py, Zen 4, 1 MB L2).
 struct Avx512Tile : TileShape<avx512::kMR, 1> {
   static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
+  template <typename WT>
+  static KBlocking k_blocking() { return l2_k_blocking(kCols * 4 + kMR * 4); }
   static void product(const float* x, const float* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
     avx512::tile_product(x, w, panel_stride, kc, np, tile);
   }
