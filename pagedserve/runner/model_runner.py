@@ -31,6 +31,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.backend = select_backend(device, block_size)
+        if hasattr(self.backend, "native_decode"):  # settle the CPU kernel now, so the load log names it
+            self.backend.native_decode(device, kv_cache.dtype)
         self.sampler = Sampler()
         self.vocab_size = model.spec.vocab_size
         self.graphs = None  # DecodeGraphs when CUDA graphs are on (engine._setup_cuda_graphs)
