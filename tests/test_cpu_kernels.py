@@ -118,6 +118,7 @@ def test_kernel_decodes_sharing_prefix_blocks(heads, kv_heads, bs, d, dtype, tol
 
 
 def test_engine_greedy_same_with_and_without_native_kernel(llama_dir, monkeypatch):
+    _kernel_or_skip()
     prompts = random_prompts(6, 300, [5, 40, 130], seed=4)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
