@@ -66,7 +66,7 @@ def test_engine_triton_backend_matches_hf_and_torch(llama_dir, triton_env, monke
 
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
     ref = LLM(**kw)
-    assert ref.llm_engine.runner.backend.name == "torch-sdpa"
+    assert ref.llm_engine.runner.backend.name.startswith("torch-sdpa")  # (+ the native CPU kernel where built)
     assert _generate(ref, prompts) == got
 
 
