@@ -62,6 +62,11 @@ class LLMEngine:
 
             n, path = pack_linears(loaded.model, batch_hint=min(config.max_num_seqs, 256))
             log.info("prepacked %d linear layers for %s", n, path)
+            from pagedserve.model import greedy_head
+
+            screen = greedy_head.attach(loaded.model)
+            if screen:
+                log.info("%s", screen)
         if config.served_model_name is None:
             config.served_model_name = config.model
         num_blocks = self._num_kv_blocks(loaded.model)

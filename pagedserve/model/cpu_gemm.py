@@ -53,6 +53,7 @@ _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS + ["-ffp-cont
     "gemm_silu_mul_takes": (_N, [_I, _I]),
     "gemm_f32_silu_mul": (None, [_P, _I, _I, _I, _P, _I, _P, _I, _N]),
     "gemm_bf16kp_silu_mul": (None, [_P, _I, _I, _I, _P, _I, _P, _I, _N]),
+    "greedy_screen_argmax": (_I, [_P, _I, _P, _I, _I, _I, _P, _P, _N, _I, _P, ctypes.c_double, _P, _N]),
 }, "native CPU GEMM", "using oneDNN / torch linear")
 
 
@@ -145,11 +146,13 @@ def pack_weight(weight: torch.Tensor, k_pairs: bool | None = None) -> PackedWeig
     return PackedWeight(weight, k_pairs)
 
 
-def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None,
+           float32_out: bool = False) -> torch.Tensor:
     """x [..., K] · Wᵀ (+ bias) → [..., N] with W packed by `pack_weight`.
 
-    The result has the weight's dtype; x may be float32 or bfloat16 (others are converted), and a
-    bias is float32 (bfloat16 weights: see NativeLinear, which keeps it widened)."""
+    The result has the weight's dtype, or float32 sums unrounded with float32_out; x may be
+    float32 or bfloat16 (others are converted), and a bias is float32 (bfloat16 weights: see
+    NativeLinear, which keeps it widened)."""
     k, out_features = x.shape[-1], packed.out_features
     if k != packed.in_features:
         raise ValueError(f"x has {k} features, the weight takes {packed.in_features}")
@@ -163,7 +166,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
         bias = bias.float()
     b = bias.data_ptr() if bias is not None else None
     lib = _native.lib
-    if packed.bf16_out and x2.dtype == torch.bfloat16:
+    if packed.bf16_out and x2.dtype == torch.bfloat16 and not float32_out:
         # rounded to bfloat16 as each tile is stored: no float32 out to write and convert
         out = torch.empty((m, out_features), dtype=torch.bfloat16)
         lib.gemm_bf16kp_bf16out(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
@@ -174,7 +177,8 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
         fn = lib.gemm_bf16kp if packed.k_pairs else lib.gemm_bf16
         fn(x2.data_ptr(), int(x2.dtype == torch.bfloat16), x2.stride(0), m, k, packed.panels.data_ptr(),
            out_features, b, out.data_ptr(), out_features, torch.get_num_threads())
-        out = out.to(torch.bfloat16)
+        if not float32_out:
+            out = out.to(torch.bfloat16)
     else:
         lib.gemm_f32(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
                      out.data_ptr(), out_features, torch.get_num_threads())

@@ -133,12 +133,17 @@ class ModelRunner:
         if sampling:
             with phase("sample"):
                 batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.device)
+            screen = getattr(self.model, "greedy_head", None) if batch.argmax_only else None
             with phase("logits"):  # the LM head, only for the rows that sample
                 rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
-                # a batch that only takes argmaxes skips the float32 copy of bfloat16 logits
-                logits = self.model.compute_logits(hidden[rows], upcast=not batch.argmax_only)
+                if screen is not None:  # the float32 head's argmax without every logit (model/greedy_head.py)
+                    tokens = [SampledToken(t) for t in screen.argmax(hidden[rows]).tolist()]
+                else:
+                    # a batch that only takes argmaxes skips the float32 copy of bfloat16 logits
+                    logits = self.model.compute_logits(hidden[rows], upcast=not batch.argmax_only)
             with phase("sample"):
-                tokens = self.sampler(logits, batch)
+                if screen is None:
+                    tokens = self.sampler(logits, batch)
                 result.sampled = [(e, t) for (_, e), t in zip(sampling, tokens)]
 
         with phase("sample"):

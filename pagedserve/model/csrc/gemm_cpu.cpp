@@ -30,6 +30,7 @@
 
 #include "bf16.h"
 #include "gemm_tile_avx512.h"
+#include "greedy_screen.h"
 #include "silu.h"
 
 namespace {
@@ -422,30 +423,18 @@ class NextGroupPrefetch {
   int64_t panel_bytes_ = 0, lines_per_panel_ = 1, total_ = 0, per_step_ = 0, done_ = 0;
 };
 
-// out[m, n] (row stride ldo) = x[m, k] (row stride ldx) · Wᵀ + bias (bias may be null), with W
-// packed by gemm_f32_pack (WT = float) or gemm_bf16_pack (WT = uint16_t, bfloat16 bits); x is
-// float32 or bfloat16 (XT); sums are float32, out float32 or (OT = uint16_t, only where k fits
-// one k block) bfloat16.
-// kSiluMul: out[m, n / 2] = silu(gate) · up instead, W packed as store_tile_silu_mul reads it
-// (no bias, k one block).
-template <typename Tile, bool kSiluMul = false, typename XT, typename WT, typename OT>
-void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, int64_t n, const float* bias,
-          OT* out, int64_t ldo, int nthreads) {
-  if (m <= 0 || n <= 0) return;
+// The driver: runs the tiles of x[m, k] · Wᵀ (k ≥ 1) over the threads and hands each finished
+// tile to store(tile, row, rows, col, cols, k0): tile rows [row, row + rows) and columns [col, col +
+// cols) of the product's k block starting at k0, row stride Tile::kCols.
+template <typename Tile, typename XT, typename WT, typename Store>
+void gemm_tiles(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, int64_t n, int nthreads,
+                Store&& store) {
   constexpr int64_t MR = Tile::kMR;
   const int64_t panels = (n + kNR - 1) / kNR, groups = (panels + Tile::kPanels - 1) / Tile::kPanels;
   const int64_t kc_max = k_block(k, Tile::template k_blocking<WT>()), wk = Tile::w_k(k);
   const int64_t row_block = std::min(Tile::kRowBlock, (m + MR - 1) / MR * MR);
   float* xp = x_block_buffer(row_block / MR * Tile::x_panel_elems(std::max<int64_t>(kc_max, 1)));
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, groups)));
-  if (k == 0) {  // no products: out = bias (or 0)
-    alignas(64) float zeros[8 * kNR] = {};
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < n; j += kNR)
-        store_tile(zeros, kNR, out + r * ldo + j, ldo, 1, std::min(kNR, n - j), bias != nullptr ? bias + j : nullptr,
-                   false);
-    return;
-  }
   // Work items are (group of panels, slice of row panels), handed out a few at a time, not split
   // in equal halves up front: on a shared machine one core is often slower, and a static split
   // leaves the other waiting for it. Rows are sliced only when there are too few groups to share
@@ -484,17 +473,40 @@ void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, in
           for (int64_t i = i0; i < i_end; ++i) {
             pf.step();
             Tile::product(xp + i * x_panel, wp, wk * kNR, kc, np, tile);
-            if constexpr (kSiluMul)
-              store_tile_silu_mul(tile, Tile::kCols, out + (r0 + i * MR) * ldo + p * kNR / 2, ldo,
-                                  std::min(MR, rows - i * MR), cols);
-            else
-              store_tile(tile, Tile::kCols, out + (r0 + i * MR) * ldo + p * kNR, ldo, std::min(MR, rows - i * MR),
-                         cols, bias != nullptr ? bias + p * kNR : nullptr, k0 > 0);
+            store(static_cast<const float*>(tile), r0 + i * MR, std::min(MR, rows - i * MR), p * kNR, cols, k0);
           }
         }
       }
     }
   }
+}
+
+// out[m, n] (row stride ldo) = x[m, k] (row stride ldx) · Wᵀ + bias (bias may be null), with W
+// packed by gemm_f32_pack (WT = float) or gemm_bf16_pack (WT = uint16_t, bfloat16 bits); x is
+// float32 or bfloat16 (XT); sums are float32, out float32 or (OT = uint16_t, only where k fits
+// one k block) bfloat16.
+// kSiluMul: out[m, n / 2] = silu(gate) · up instead, W packed as store_tile_silu_mul reads it
+// (no bias, k one block).
+template <typename Tile, bool kSiluMul = false, typename XT, typename WT, typename OT>
+void gemm(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_packed, int64_t n, const float* bias,
+          OT* out, int64_t ldo, int nthreads) {
+  if (m <= 0 || n <= 0) return;
+  if (k == 0) {  // no products: out = bias (or 0)
+    alignas(64) float zeros[8 * kNR] = {};
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; j += kNR)
+        store_tile(zeros, kNR, out + r * ldo + j, ldo, 1, std::min(kNR, n - j), bias != nullptr ? bias + j : nullptr,
+                   false);
+    return;
+  }
+  gemm_tiles<Tile>(x, ldx, m, k, w_packed, n, nthreads,
+                   [&](const float* tile, int64_t row, int64_t rows, int64_t col, int64_t cols, int64_t k0) {
+                     if constexpr (kSiluMul)
+                       store_tile_silu_mul(tile, Tile::kCols, out + row * ldo + col / 2, ldo, rows, cols);
+                     else
+                       store_tile(tile, Tile::kCols, out + row * ldo + col, ldo, rows, cols,
+                                  bias != nullptr ? bias + col : nullptr, k0 > 0);
+                   });
 }
 
 // 12 independent chains of 8-wide FMAs, `iters` rounds, all in registers (the FMA peak's loop).
@@ -560,6 +572,20 @@ void gemm_bf16kp_bf16x(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, con
     gemm<Avx512DotTile, kSiluMul>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
   else
     gemm<Avx512Bf16Tile, kSiluMul>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+}
+
+// One float32 logit as gemm_f32 computes it (its tile's k blocks, each a chain of FMAs in k order
+// from 0, then added to the blocks before): column v of W packed by gemm_f32_pack, no bias.
+float exact_column(const float* x, const float* w_packed, int64_t k, int64_t kc_max, int64_t v) {
+  const float* w = w_packed + v / kNR * k * kNR + v % kNR;
+  float out = 0.f;
+  for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+    const int64_t k1 = std::min(k, k0 + kc_max);
+    float t = 0.f;
+    for (int64_t kk = k0; kk < k1; ++kk) t = std::fma(x[kk], w[kk * kNR], t);
+    out = k0 == 0 ? t + 0.f : (t + 0.f) + out;  // store_tile's adds, in its order
+  }
+  return out;
 }
 
 }  // namespace
@@ -730,6 +756,90 @@ double fma_peak_gflops(int nthreads) {
     best = std::max(best, total);
   }
   return best;
+}
+
+// The exact argmax of each row of x[m, k] · Wᵀ (W float32 packed by gemm_f32_pack, no bias),
+// through a bfloat16 screen of it (greedy_screen.h): xb = x rounded to bfloat16 (row stride
+// ldxb), wb = W rounded to bfloat16 and packed by gemm_bf16kp_pack (k_pairs = 1, run on the tile
+// gemm_bf16kp picks for bfloat16 x) or gemm_bf16_pack (k_pairs = 0, the AVX2 tile); w_norms[n] =
+// ‖W[v]‖₂ rounded up; coef the bound's factor. out[r] = the first index of the largest float32
+// logit, bit for bit as gemm_f32 + argmax give it, or -1 where the row holds a non-finite value
+// (the caller computes that row in full). Returns the number of logits computed in float32.
+int64_t greedy_screen_argmax(const float* x, int64_t ldx, const uint16_t* xb, int64_t ldxb, int64_t m, int64_t k,
+                             const float* w_packed, const uint16_t* wb_packed, int k_pairs, int64_t n,
+                             const float* w_norms, double coef, int64_t* out, int nthreads) {
+  if (m <= 0) return 0;
+  nthreads = std::max(1, nthreads);
+  std::vector<float> beta(m);
+  for (int64_t r = 0; r < m; ++r)  // rounded up from double, so that float arithmetic only widens the bound
+    beta[r] = std::nextafter(static_cast<float>(coef * greedy_screen::norm2(x + r * ldx, k)), INFINITY);
+  thread_local std::vector<greedy_screen::ThreadState> states;  // reused across calls from this thread
+  if (static_cast<int>(states.size()) < nthreads) states.resize(nthreads);
+  for (int t = 0; t < nthreads; ++t) states[t].reset(m);
+  // (a pointer: inside the lambda, run by the pool's threads, `states` would name their own copies)
+  greedy_screen::ThreadState* state = states.data();
+  const auto take = [&](const float* tile, int64_t ld, int64_t row, int64_t rows, int64_t col, int64_t cols) {
+    greedy_screen::take_tile(tile, ld, row, rows, col, cols, beta.data(), w_norms, &state[omp_get_thread_num()]);
+  };
+  if (!k_pairs)
+    gemm_tiles<Avx2Tile>(xb, ldxb, m, k, wb_packed, n, nthreads,
+                         [&](const float* t, int64_t r, int64_t rs, int64_t c, int64_t cs, int64_t) {
+                           take(t, Avx2Tile::kCols, r, rs, c, cs);
+                         });
+  else if (bf16_dot())
+    gemm_tiles<Avx512DotTile>(xb, ldxb, m, k, wb_packed, n, nthreads,
+                              [&](const float* t, int64_t r, int64_t rs, int64_t c, int64_t cs, int64_t) {
+                                take(t, Avx512DotTile::kCols, r, rs, c, cs);
+                              });
+  else
+    gemm_tiles<Avx512Bf16Tile>(xb, ldxb, m, k, wb_packed, n, nthreads,
+                               [&](const float* t, int64_t r, int64_t rs, int64_t c, int64_t cs, int64_t) {
+                                 take(t, Avx512Bf16Tile::kCols, r, rs, c, cs);
+                               });
+  // merge the threads' thresholds, then bucket the kept tokens by row (they arrive tile by tile)
+  std::vector<float> threshold(m, -INFINITY);
+  std::vector<uint8_t> nan(m, 0);
+  std::vector<int64_t> start(m + 1, 0);
+  for (int t = 0; t < nthreads; ++t)
+    for (int64_t r = 0; r < m; ++r) {
+      threshold[r] = std::max(threshold[r], states[t].threshold[r]);
+      nan[r] |= states[t].nan[r];
+    }
+  for (int t = 0; t < nthreads; ++t)
+    for (const auto& c : states[t].kept)
+      if (c.upper >= threshold[c.row]) ++start[c.row + 1];
+  for (int64_t r = 0; r < m; ++r) start[r + 1] += start[r];
+  std::vector<int32_t> tokens(start[m]);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int t = 0; t < nthreads; ++t)
+      for (const auto& c : states[t].kept)
+        if (c.upper >= threshold[c.row]) tokens[fill[c.row]++] = c.token;
+  }
+  const int64_t kc_max = use_avx512 ? k_block(k, Avx512Tile::k_blocking<float>())
+                                    : k_block(k, Avx2Tile::k_blocking<float>());
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 8)
+  for (int64_t r = 0; r < m; ++r) {
+    if (nan[r] || !std::isfinite(threshold[r]) || !std::isfinite(beta[r])) {
+      out[r] = -1;
+      continue;
+    }
+    int32_t* first = tokens.data() + start[r];
+    int32_t* last = tokens.data() + start[r + 1];
+    std::sort(first, last);  // ascending: the first of equal maxima wins
+    int64_t best = -1;
+    float best_value = -INFINITY;
+    for (const int32_t* v = first; v != last; ++v) {
+      const float value = exact_column(x + r * ldx, w_packed, k, kc_max, *v);
+      if (std::isnan(value)) {
+        best = -1;
+        break;
+      }
+      if (best < 0 || value > best_value) best = *v, best_value = value;
+    }
+    out[r] = best;
+  }
+  return start[m];
 }
 
 }  // extern "C"

@@ -1,0 +1,106 @@
+"""The screened greedy LM head (model/greedy_head.py): its argmax is the float32 head's, bit for
+bit and ties included, on every GEMM tile this CPU runs; its error bound holds; the engine uses it
+only for steps that take nothing but argmaxes, and stays token-identical to transformers."""
+import pytest
+import torch
+from torch import nn
+
+from hf_reference import hf_greedy, random_prompts
+from pagedserve import LLM, SamplingParams
+from pagedserve.model import cpu_fused, cpu_gemm, greedy_head
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.usable(), reason="native GEMM needs a C++ compiler and an AVX2/FMA CPU")
+
+_AVX512 = cpu_gemm.vector_bits() == 512
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def tile(request):
+    """Runs the float32 head (and packs the bfloat16 screen) for one tile."""
+    if request.param == "avx512" and not _AVX512:
+        pytest.skip("this CPU has no AVX-512")
+    cpu_gemm.set_avx512(request.param == "avx512")
+    yield request.param
+    cpu_gemm.set_avx512(True)
+
+
+def _head(n: int, k: int, seed: int) -> tuple[cpu_gemm.NativeLinear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.02, generator=g)
+        lin.weight[n // 2] = lin.weight[3]  # an exact tie with row 3
+        lin.weight[n - 1] = lin.weight[3] * (1 + 2 ** -22)  # a near tie, within the bfloat16 screen's error
+    return cpu_gemm.NativeLinear(lin), lin.weight.detach()
+
+
+# K: one k block, and 3001 (two blocks on both tiles: the sums' block order must be replayed)
+@pytest.mark.parametrize("k", [64, 512, 3001])
+@pytest.mark.parametrize("m", [1, 9, 300])
+def test_argmax_matches_float32_head(tile, m, k):
+    n = 1000
+    head, weight = _head(n, k, seed=m + k)
+    screened = greedy_head.ScreenedGreedyHead(head)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g) * 4
+    x[0] = weight[3] * 300  # rows 3, n/2 and n-1 lead, tied or nearly
+    if m > 2:
+        x[1] = 0.0  # every logit 0: the first index wins
+        x[2, 5] = float("nan")  # falls back to the plain head: NaN counts as the largest, as in torch.argmax
+    want = cpu_fused.argmax(head(x))
+    got = screened.argmax(x)
+    assert got.tolist() == want.tolist()
+    assert want[0] in (3, n // 2, n - 1)
+    if m > 2:
+        assert got[1] == 0 and got[2] == want[2]
+    # the screen leaves few tokens to compute in float32 (an exact-zero row leaves all of them); the
+    # bound grows as √K against the logits' spread
+    assert screened.computed <= n + m * (8 if k <= 512 else 50)
+
+
+def test_error_bound_holds_and_is_tight_enough(tile):
+    """|bfloat16 screen − float32 logit| ≤ coef·‖h‖·‖W[v]‖ on every logit, and within 20× of the
+    largest error seen (a bound far looser would leave many candidates to recompute)."""
+    n, k = 4096, 512
+    head, _ = _head(n, k, seed=1)
+    screened = greedy_head.ScreenedGreedyHead(head)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 3, 64)[:, None]
+    exact = head(x)
+    screen = cpu_gemm.linear(x.to(torch.bfloat16), screened.screen_weight, float32_out=True)
+    bound = screened.coef * x.double().norm(dim=1)[:, None] * screened.w_norms.double()[None, :]
+    err = (screen.double() - exact.double()).abs()
+    assert (err <= bound).all()
+    assert (err / bound).max() > 0.05
+
+
+def test_bound_coef_grows_with_k():
+    assert 0.0078 < greedy_head.bound_coef(512) < 0.0081
+    assert greedy_head.bound_coef(8192) > greedy_head.bound_coef(512)
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_engine_greedy_identical_with_screen(llama_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_GREEDY_SCREEN", "1")
+    llm = LLM(model=str(llama_dir), num_gpu_blocks_override=256)
+    head = llm.llm_engine.runner.model.greedy_head
+    prompts = random_prompts(12, llm.llm_engine.spec.vocab_size, [1, 5, 17, 33, 64, 100, 9, 130, 2, 48, 77, 20])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=10, **GREEDY))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(p), 10)
+    assert head.rows == 12 * 10
+    # a step with logprobs needs every logit: the plain head runs, the screen is not asked
+    out = llm.generate({"prompt_token_ids": prompts[3]}, SamplingParams(max_tokens=4, logprobs=2, **GREEDY))[0]
+    assert head.rows == 12 * 10
+    assert out.outputs[0].token_ids == hf_greedy(str(llama_dir), tuple(prompts[3]), 4)
+    assert len(out.outputs[0].logprobs) == 4
+
+
+def test_screen_off_and_bad_setting(llama_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_GREEDY_SCREEN", "0")
+    llm = LLM(model=str(llama_dir), num_gpu_blocks_override=64)
+    assert not hasattr(llm.llm_engine.runner.model, "greedy_head")
+    monkeypatch.setenv("PAGEDSERVE_GREEDY_SCREEN", "yes")
+    with pytest.raises(ValueError, match="PAGEDSERVE_GREEDY_SCREEN"):
+        LLM(model=str(llama_dir), num_gpu_blocks_override=64)
