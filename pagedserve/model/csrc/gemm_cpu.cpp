@@ -394,6 +394,30 @@ struct Avx512DotTile : TileShape<avx512::kMR, 2> {
   }
 };
 
+// The vpdpbusd tile (the int8 pass of the greedy LM-head screen, greedy_screen.h): x is uint8,
+// packed as 4 k values per 32-bit word, [ceil(kc/4)][8] words in the float-sized slots of the x
+// block; W int8 in k quads (greedy_screen_int8_pack). The tile receives int32 sums. One k block
+// as long as half of L2 holds a group's W slice and x panel (the screen needs one).
+struct Avx512VnniTile : TileShape<avx512::kMR, 4> {
+  static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
+  template <typename WT>
+  static KBlocking k_blocking() { return l2_k_blocking(avx512::kCols + avx512::kMR); }
+  static int64_t x_panel_elems(int64_t kc) { return kMR * w_k(kc) / 4; }
+  static void pack_x(const uint8_t* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
+    uint32_t* quads = reinterpret_cast<uint32_t*>(out);
+    for (int64_t kq = 0; kq < w_k(kc) / 4; ++kq)
+      for (int64_t r = 0; r < kMR; ++r) {
+        uint32_t word = 0;
+        for (int64_t b = 0; b < 4; ++b)
+          if (r < rows && 4 * kq + b < kc) word |= static_cast<uint32_t>(x[r * ldx + 4 * kq + b]) << (8 * b);
+        quads[kq * kMR + r] = word;
+      }
+  }
+  static void product(const float* x, const int8_t* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
+    avx512::tile_product_vnni(reinterpret_cast<const uint32_t*>(x), w, panel_stride, kc, np, tile);
+  }
+};
+
 // Requests the next group's W slice (np panels of kc k-rows) into L2, a share per row tile of the
 // current item. In the engine every layer's weights come from memory (the model is larger than L3),
 // and a group's first row tile waited on them: with bfloat16 weights the decode-sized GEMMs
@@ -574,18 +598,81 @@ void gemm_bf16kp_bf16x(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, con
     gemm<Avx512Bf16Tile, kSiluMul>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
 
-// One float32 logit as gemm_f32 computes it (its tile's k blocks, each a chain of FMAs in k order
-// from 0, then added to the blocks before): column v of W packed by gemm_f32_pack, no bias.
-float exact_column(const float* x, const float* w_packed, int64_t k, int64_t kc_max, int64_t v) {
-  const float* w = w_packed + v / kNR * k * kNR + v % kNR;
-  float out = 0.f;
-  for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
-    const int64_t k1 = std::min(k, k0 + kc_max);
-    float t = 0.f;
-    for (int64_t kk = k0; kk < k1; ++kk) t = std::fma(x[kk], w[kk * kNR], t);
-    out = k0 == 0 ? t + 0.f : (t + 0.f) + out;  // store_tile's adds, in its order
+// Float32 logits as gemm_f32 computes them (its tile's k blocks, each a chain of FMAs in k order
+// from 0, then added to the blocks before), for `count` tokens v[] of W [n, k] (row-major, the
+// same values as gemm_f32's packed panels, where one token's weights would be 64 bytes apart), no
+// bias. Eight tokens at a time, so that their chains overlap.
+void exact_columns(const float* x, const float* w_rows, int64_t k, int64_t kc_max, const int32_t* v, int64_t count,
+                   float* values) {
+  constexpr int kLanes = 8;
+  for (int64_t c0 = 0; c0 < count; c0 += kLanes) {
+    const float* w[kLanes];
+    for (int j = 0; j < kLanes; ++j) w[j] = w_rows + static_cast<int64_t>(v[std::min(c0 + j, count - 1)]) * k;
+    float out[kLanes] = {};
+    for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+      const int64_t k1 = std::min(k, k0 + kc_max);
+      float t[kLanes] = {};
+      for (int64_t kk = k0; kk < k1; ++kk)
+        for (int j = 0; j < kLanes; ++j) t[j] = std::fma(x[kk], w[j][kk], t[j]);
+      for (int j = 0; j < kLanes; ++j) out[j] = k0 == 0 ? t[j] + 0.f : (t[j] + 0.f) + out[j];  // store_tile's adds
+    }
+    for (int j = 0; j < kLanes && c0 + j < count; ++j) values[c0 + j] = out[j];
   }
-  return out;
+}
+
+// The float32 k blocks gemm_f32 cuts a K-long sum into, on the tile in use.
+int64_t f32_k_block(int64_t k) {
+  return use_avx512 ? k_block(k, Avx512Tile::k_blocking<float>()) : k_block(k, Avx2Tile::k_blocking<float>());
+}
+
+// The screens' last step: merges the threads' tokens of each row that pass `threshold[row]`,
+// computes them in float32 and writes the first of the largest to out (-1 where `bad[row]`, or a
+// float32 logit is NaN). Returns how many were computed.
+int64_t screen_finish(const std::vector<greedy_screen::ThreadState>& states, int nthreads, int64_t m,
+                      const std::vector<float>& threshold, const std::vector<uint8_t>& bad, const float* x,
+                      int64_t ldx, int64_t k, const float* w_rows, int64_t* out) {
+  std::vector<int64_t> start(m + 1, 0);
+  for (int t = 0; t < nthreads; ++t)
+    for (const auto& c : states[t].kept)
+      if (c.upper >= threshold[c.row]) ++start[c.row + 1];
+  for (int64_t r = 0; r < m; ++r) start[r + 1] += start[r];
+  std::vector<int32_t> tokens(start[m]);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int t = 0; t < nthreads; ++t)
+      for (const auto& c : states[t].kept)
+        if (c.upper >= threshold[c.row]) tokens[fill[c.row]++] = c.token;
+  }
+  const int64_t kc_max = f32_k_block(k);
+  int64_t computed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : computed)
+  {
+    std::vector<float> values;
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t r = 0; r < m; ++r) {
+      if (bad[r]) {
+        out[r] = -1;
+        continue;
+      }
+      int32_t* first = tokens.data() + start[r];
+      const int64_t count = start[r + 1] - start[r];
+      std::sort(first, first + count);  // ascending: the first of equal maxima wins
+      values.resize(count);
+      computed += count;
+      exact_columns(x + r * ldx, w_rows, k, kc_max, first, count, values.data());
+      int64_t best = -1;
+      float best_value = -INFINITY;
+      for (int64_t j = 0; j < count; ++j) {
+        if (std::isnan(values[j])) {
+          best = -1;
+          break;
+        }
+        if (best < 0 || values[j] > best_value) best = first[j], best_value = values[j];
+      }
+      out[r] = best;
+    }
+  }
+  return computed;
 }
 
 }  // namespace
@@ -758,15 +845,15 @@ double fma_peak_gflops(int nthreads) {
   return best;
 }
 
-// The exact argmax of each row of x[m, k] · Wᵀ (W float32 packed by gemm_f32_pack, no bias),
-// through a bfloat16 screen of it (greedy_screen.h): xb = x rounded to bfloat16 (row stride
+// The exact argmax of each row of x[m, k] · Wᵀ (W float32 [n, k] row-major, w_rows, as gemm_f32
+// computes the product from its packed panels; no bias), through a bfloat16 screen of it (greedy_screen.h): xb = x rounded to bfloat16 (row stride
 // ldxb), wb = W rounded to bfloat16 and packed by gemm_bf16kp_pack (k_pairs = 1, run on the tile
 // gemm_bf16kp picks for bfloat16 x) or gemm_bf16_pack (k_pairs = 0, the AVX2 tile); w_norms[n] =
 // ‖W[v]‖₂ rounded up; coef the bound's factor. out[r] = the first index of the largest float32
 // logit, bit for bit as gemm_f32 + argmax give it, or -1 where the row holds a non-finite value
 // (the caller computes that row in full). Returns the number of logits computed in float32.
 int64_t greedy_screen_argmax(const float* x, int64_t ldx, const uint16_t* xb, int64_t ldxb, int64_t m, int64_t k,
-                             const float* w_packed, const uint16_t* wb_packed, int k_pairs, int64_t n,
+                             const float* w_rows, const uint16_t* wb_packed, int k_pairs, int64_t n,
                              const float* w_norms, double coef, int64_t* out, int nthreads) {
   if (m <= 0) return 0;
   nthreads = std::max(1, nthreads);
@@ -796,50 +883,111 @@ int64_t greedy_screen_argmax(const float* x, int64_t ldx, const uint16_t* xb, in
                                [&](const float* t, int64_t r, int64_t rs, int64_t c, int64_t cs, int64_t) {
                                  take(t, Avx512Bf16Tile::kCols, r, rs, c, cs);
                                });
-  // merge the threads' thresholds, then bucket the kept tokens by row (they arrive tile by tile)
   std::vector<float> threshold(m, -INFINITY);
-  std::vector<uint8_t> nan(m, 0);
-  std::vector<int64_t> start(m + 1, 0);
+  std::vector<uint8_t> bad(m, 0);
   for (int t = 0; t < nthreads; ++t)
     for (int64_t r = 0; r < m; ++r) {
       threshold[r] = std::max(threshold[r], states[t].threshold[r]);
-      nan[r] |= states[t].nan[r];
+      bad[r] |= states[t].nan[r];
     }
-  for (int t = 0; t < nthreads; ++t)
-    for (const auto& c : states[t].kept)
-      if (c.upper >= threshold[c.row]) ++start[c.row + 1];
-  for (int64_t r = 0; r < m; ++r) start[r + 1] += start[r];
-  std::vector<int32_t> tokens(start[m]);
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int t = 0; t < nthreads; ++t)
-      for (const auto& c : states[t].kept)
-        if (c.upper >= threshold[c.row]) tokens[fill[c.row]++] = c.token;
-  }
-  const int64_t kc_max = use_avx512 ? k_block(k, Avx512Tile::k_blocking<float>())
-                                    : k_block(k, Avx2Tile::k_blocking<float>());
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 8)
+  for (int64_t r = 0; r < m; ++r) bad[r] |= !std::isfinite(threshold[r]) || !std::isfinite(beta[r]);
+  return screen_finish(states, nthreads, m, threshold, bad, x, ldx, k, w_rows, out);
+}
+
+// 1 when this CPU runs the int8 screen below (AVX512-VNNI) and it takes this k (one k block).
+int greedy_screen_int8_takes(int64_t k) {
+  return avx512::vnni_supported() && k <= Avx512VnniTile::k_blocking<int8_t>().max ? 1 : 0;
+}
+
+// Bytes of the k-quad packed form of an [n, k] int8 weight: whole panels, k rounded up to 4.
+int64_t greedy_screen_int8_packed_size(int64_t n, int64_t k) { return (n + kNR - 1) / kNR * kNR * ((k + 3) / 4 * 4); }
+
+// q [n, k] int8 (row-major) → out [ceil(n/16)][ceil(k/4)][16][4], zero-padded past n and k.
+void greedy_screen_int8_pack(const int8_t* q, int64_t n, int64_t k, int8_t* out, int nthreads) {
+  const int64_t panels = (n + kNR - 1) / kNR, wk = (k + 3) / 4 * 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t kk = 0; kk < wk; ++kk)
+      for (int64_t j = 0; j < kNR; ++j) {
+        const int64_t col = p * kNR + j;
+        out[p * wk * kNR + kk / 4 * 4 * kNR + j * 4 + kk % 4] = col < n && kk < k ? q[col * k + kk] : 0;
+      }
+}
+
+// greedy_screen_argmax's contract through an int8 screen (vpdpbusd): W quantised per token,
+// q_w = W / sw[v] rounded, packed by greedy_screen_int8_pack; colsum128[v] = 128 · Σ q_w[v];
+// f[v] = ‖W[v] − sw[v]·q_w[v]‖₂ and wn[v] = ‖W[v]‖₂, rounded up; g the float32 sums' factor
+// (greedy_head.py derives the bound). Each row is quantised here as uint8 (q + 128), at the scale
+// among a few clipping levels that leaves the smallest error.
+int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_rows,
+                                  const int8_t* wq_packed, int64_t n, const int32_t* colsum128, const float* sw,
+                                  const float* f, const float* wn, double g, int64_t* out, int nthreads) {
+  if (m <= 0) return 0;
+  if (!greedy_screen_int8_takes(k)) std::abort();
+  nthreads = std::max(1, nthreads);
+  thread_local std::vector<uint8_t> xq;
+  xq.resize(m * k);
+  std::vector<float> a(m), c(m);
+  std::vector<uint8_t> bad(m, 0);
+  uint8_t* q = xq.data();
+#pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t r = 0; r < m; ++r) {
-    if (nan[r] || !std::isfinite(threshold[r]) || !std::isfinite(beta[r])) {
-      out[r] = -1;
+    const float* h = x + r * ldx;
+    float amax = 0.f;
+    double h2 = 0;
+    bool finite = true;
+    for (int64_t i = 0; i < k; ++i) {
+      finite = finite && std::isfinite(h[i]);
+      amax = std::max(amax, std::fabs(h[i]));
+      h2 += static_cast<double>(h[i]) * h[i];
+    }
+    if (!finite) {
+      bad[r] = 1;
+      std::fill(q + r * k, q + (r + 1) * k, 128);
       continue;
     }
-    int32_t* first = tokens.data() + start[r];
-    int32_t* last = tokens.data() + start[r + 1];
-    std::sort(first, last);  // ascending: the first of equal maxima wins
-    int64_t best = -1;
-    float best_value = -INFINITY;
-    for (const int32_t* v = first; v != last; ++v) {
-      const float value = exact_column(x + r * ldx, w_packed, k, kc_max, *v);
-      if (std::isnan(value)) {
-        best = -1;
-        break;
+    // the clipping level (of max |h|, or of a multiple of the rms) with the smallest ‖h − sx·q‖₂
+    const float rms = static_cast<float>(std::sqrt(h2 / std::max<int64_t>(k, 1)));
+    const float levels[] = {amax, 4.f * rms, 3.f * rms, 2.5f * rms};
+    float sx = 1.f;
+    double e2 = INFINITY;
+    for (const float level : levels) {
+      const float scale = std::min(level, amax) > 0.f ? std::min(level, amax) / 127.f : 1.f;
+      double err = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const float qi = std::min(127.f, std::max(-127.f, std::nearbyint(h[i] / scale)));
+        const double e = static_cast<double>(h[i]) - static_cast<double>(scale) * qi;
+        err += e * e;
       }
-      if (best < 0 || value > best_value) best = *v, best_value = value;
+      if (err < e2) e2 = err, sx = scale;
     }
-    out[r] = best;
+    double q2 = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const float qi = std::min(127.f, std::max(-127.f, std::nearbyint(h[i] / sx)));
+      q[r * k + i] = static_cast<uint8_t>(static_cast<int>(qi) + 128);
+      q2 += static_cast<double>(qi) * qi;
+    }
+    // |h·w − h'·w'| ≤ ‖h'‖·‖f‖ + ‖e‖·‖w‖, h' = sx·q and e = h − h'; the float32 sums add g·‖h‖·‖w‖;
+    // in the screen's units (÷ sx), with 1 % on top, rounded up
+    a[r] = std::nextafter(static_cast<float>(1.01 * std::sqrt(q2)), INFINITY);
+    c[r] = std::nextafter(static_cast<float>(1.01 * (std::sqrt(e2) + g * std::sqrt(h2)) / sx), INFINITY);
+    bad[r] = !std::isfinite(a[r]) || !std::isfinite(c[r]);
   }
-  return start[m];
+  thread_local std::vector<greedy_screen::ThreadState> states;  // reused across calls from this thread
+  if (static_cast<int>(states.size()) < nthreads) states.resize(nthreads);
+  for (int t = 0; t < nthreads; ++t) states[t].reset(m);
+  greedy_screen::ThreadState* state = states.data();  // (the pool's threads would see their own `states`)
+  const greedy_screen::Int8Tokens tokens{colsum128, sw, f, wn};
+  gemm_tiles<Avx512VnniTile>(q, k, m, k, wq_packed, n, nthreads,
+                             [&](const float* t, int64_t r, int64_t rs, int64_t cl, int64_t cs, int64_t) {
+                               greedy_screen::take_tile_int8(t, Avx512VnniTile::kCols, r, rs, cl, cs, tokens, a.data(),
+                                                             c.data(), &state[omp_get_thread_num()]);
+                             });
+  std::vector<float> threshold(m, -INFINITY);
+  for (int t = 0; t < nthreads; ++t)
+    for (int64_t r = 0; r < m; ++r) threshold[r] = std::max(threshold[r], states[t].threshold[r]);
+  for (int64_t r = 0; r < m; ++r) bad[r] |= !std::isfinite(threshold[r]);
+  return screen_finish(states, nthreads, m, threshold, bad, x, ldx, k, w_rows, out);
 }
 
 }  // extern "C"

@@ -1,22 +1,24 @@
-// The exact argmax of a float32 LM head from a bfloat16 screen of it (gemm_cpu.cpp,
-// greedy_screen_argmax; model/greedy_head.py says why and when).
+// The exact argmax of a float32 LM head from a cheap screen of it (gemm_cpu.cpp,
+// greedy_screen_argmax and greedy_screen_int8_argmax; model/greedy_head.py says why and when, and
+// derives the bounds).
 //
-// For one row h of the final hidden states: s[v] is the screen's logit of token v (h and W rounded
-// to bfloat16, summed in float32) and |s[v] − l[v]| ≤ b[v] = beta · wn[v] + kTiny, where l[v] is
-// what the float32 GEMM gives, wn[v] = ‖W[v]‖₂ and beta = coef · ‖h‖₂ (the bound is derived in
-// greedy_head.py). The token the float32 logits pick satisfies s[v] + b[v] ≥ max_u (s[u] − b[u]),
-// so the exact argmax is among the tokens that pass this test, and only they are computed again
-// in float32, bit for bit as the GEMM computes them.
+// For one row h of the final hidden states: s[v] is the screen's logit of token v and
+// |s[v] − l[v]| ≤ b[v], where l[v] is what the float32 GEMM gives. The token the float32 logits
+// pick satisfies s[v] + b[v] ≥ max_u (s[u] − b[u]), so the exact argmax is among the tokens that
+// pass this test, and only they are computed again in float32, bit for bit as the GEMM does.
 //
-// The screen is never stored: each finished GEMM tile (8 rows × up to 48 tokens) raises its
-// thread's running threshold of each row, max (s − b) so far, and keeps the tokens whose s + b
-// reaches it. A running threshold is never above the final one, so every token the final test
-// keeps has been kept; the few extra are dropped once the threads' thresholds are merged.
+// The screen is never stored: each finished GEMM tile (up to 8 rows × 48 tokens) goes through
+// take_tile*, which keeps per row its thread's running threshold, max (s − b) so far, and the
+// tokens whose s + b reaches it. A running threshold is never above the final one, so every token
+// the final test keeps has been kept; the few extra are dropped once the threads are merged. Most
+// tiles hold no token that reaches the threshold, and then none can raise it either (s − b ≤
+// s + b), so a tile costs one compare per token unless something in it is within reach.
 #pragma once
 
 #include <immintrin.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -50,45 +52,110 @@ inline float max_lane(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
-// Takes one finished tile of the screen: rows [row, row + rows), tokens [col, col + cols), row
-// stride ld (the tile holds at most 48 columns). beta[r]: the bound's factor of row r; wn: the
-// weight rows' norms.
+// The bfloat16 screen's tile (float32 sums): rows [row, row + rows), tokens [col, col + cols), row
+// stride ld; b[v] = beta[row] · wn[v] + kTiny. 8 lanes (AVX2: the screen also runs on AVX2 CPUs).
 inline void take_tile(const float* tile, int64_t ld, int64_t row, int64_t rows, int64_t col, int64_t cols,
                       const float* beta, const float* wn, ThreadState* st) {
-  constexpr int kMaxCols = 48;
+  constexpr int kMaxChunks = 6;  // 48 columns
   const int chunks = static_cast<int>((cols + 7) / 8);
-  __m256 w[kMaxCols / 8];
-  __m256i valid[kMaxCols / 8];
+  __m256 w[kMaxChunks], valid[kMaxChunks];
   for (int c = 0; c < chunks; ++c) {
-    valid[c] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols - 8 * c)),
-                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    w[c] = _mm256_maskload_ps(wn + col + 8 * c, valid[c]);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols - 8 * c)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    valid[c] = _mm256_castsi256_ps(lanes);
+    w[c] = _mm256_maskload_ps(wn + col + 8 * c, lanes);
   }
   const __m256 tiny = _mm256_set1_ps(kTiny), ninf = _mm256_set1_ps(-INFINITY);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t R = row + r;
-    const __m256 vb = _mm256_set1_ps(beta[R]);
-    __m256 upper[kMaxCols / 8], lo_max = ninf, unordered = _mm256_setzero_ps();
+    const __m256 vb = _mm256_set1_ps(beta[R]), old = _mm256_set1_ps(st->threshold[R]);
+    __m256 s[kMaxChunks], b[kMaxChunks], reach = _mm256_setzero_ps();
     for (int c = 0; c < chunks; ++c) {
-      const __m256 s = _mm256_load_ps(tile + r * ld + 8 * c);
-      const __m256 b = _mm256_add_ps(_mm256_mul_ps(vb, w[c]), tiny);
-      const __m256 in = _mm256_castsi256_ps(valid[c]);
-      lo_max = _mm256_max_ps(lo_max, _mm256_blendv_ps(ninf, _mm256_sub_ps(s, b), in));
-      upper[c] = _mm256_blendv_ps(ninf, _mm256_add_ps(s, b), in);
-      unordered = _mm256_or_ps(unordered, _mm256_and_ps(in, _mm256_cmp_ps(s, s, _CMP_UNORD_Q)));
+      s[c] = _mm256_load_ps(tile + r * ld + 8 * c);
+      b[c] = _mm256_add_ps(_mm256_mul_ps(vb, w[c]), tiny);
+      // s + b ≥ threshold, or a NaN (not-less-than is true for unordered lanes)
+      reach = _mm256_or_ps(reach, _mm256_and_ps(valid[c], _mm256_cmp_ps(_mm256_add_ps(s[c], b[c]), old, _CMP_NLT_UQ)));
+    }
+    if (_mm256_movemask_ps(reach) == 0) continue;
+    __m256 lo_max = ninf, unordered = _mm256_setzero_ps();
+    for (int c = 0; c < chunks; ++c) {
+      lo_max = _mm256_max_ps(lo_max, _mm256_blendv_ps(ninf, _mm256_sub_ps(s[c], b[c]), valid[c]));
+      unordered = _mm256_or_ps(unordered, _mm256_and_ps(valid[c], _mm256_cmp_ps(s[c], s[c], _CMP_UNORD_Q)));
     }
     if (_mm256_movemask_ps(unordered) != 0) st->nan[R] = 1;
     const float thr = std::max(st->threshold[R], max_lane(lo_max));
     st->threshold[R] = thr;
     const __m256 vthr = _mm256_set1_ps(thr);
     for (int c = 0; c < chunks; ++c) {
-      int bits = _mm256_movemask_ps(_mm256_cmp_ps(upper[c], vthr, _CMP_GE_OQ));
+      const __m256 upper = _mm256_add_ps(s[c], b[c]);
+      int bits = _mm256_movemask_ps(_mm256_and_ps(valid[c], _mm256_cmp_ps(upper, vthr, _CMP_GE_OQ)));
       if (bits == 0) continue;
       alignas(32) float u[8];
-      _mm256_store_ps(u, upper[c]);
+      _mm256_store_ps(u, upper);
       while (bits != 0) {
         const int j = __builtin_ctz(bits);
         st->kept.push_back({static_cast<int32_t>(R), static_cast<int32_t>(col + 8 * c + j), u[j]});
+        bits &= bits - 1;
+      }
+    }
+  }
+}
+
+// The per-token quantities of the int8 screen (greedy_head.py): colsum128[v] = 128 · Σ q_w[v],
+// sw[v] its scale, f[v] = ‖W[v] − sw[v]·q_w[v]‖₂ and n[v] = ‖W[v]‖₂ (both rounded up).
+struct Int8Tokens {
+  const int32_t* colsum128;
+  const float *sw, *f, *n;
+};
+
+// The int8 screen's tile (vpdpbusd, gemm_tile_avx512.h): int32 sums of (q_h + 128) · q_w, q_h the
+// row quantised by its scale sx. s[v] = (sum − 128 · colsum[v]) · sw[v] is the screened logit
+// divided by sx (the same order as the logits), and so is the bound, b[v] = a[row] · f[v] +
+// c[row] · n[v] + kTiny (a and c come with the row, in those units). 16 lanes (AVX-512).
+__attribute__((target("avx512f"))) inline void take_tile_int8(const float* tile, int64_t ld, int64_t row,
+                                                              int64_t rows, int64_t col, int64_t cols,
+                                                              const Int8Tokens& tok, const float* a,
+                                                              const float* c_row, ThreadState* st) {
+  constexpr int kMaxChunks = 3;  // 48 columns
+  const int chunks = static_cast<int>((cols + 15) / 16);
+  __mmask16 valid[kMaxChunks];
+  __m512i cs[kMaxChunks];
+  __m512 scale[kMaxChunks], f[kMaxChunks], n[kMaxChunks];
+  for (int c = 0; c < chunks; ++c) {
+    const int64_t left = cols - 16 * c, at = col + 16 * c;
+    valid[c] = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    cs[c] = _mm512_maskz_loadu_epi32(valid[c], tok.colsum128 + at);
+    scale[c] = _mm512_maskz_loadu_ps(valid[c], tok.sw + at);
+    f[c] = _mm512_maskz_loadu_ps(valid[c], tok.f + at);
+    n[c] = _mm512_maskz_loadu_ps(valid[c], tok.n + at);
+  }
+  const __m512 tiny = _mm512_set1_ps(kTiny), ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t R = row + r;
+    const __m512 va = _mm512_set1_ps(a[R]), vc = _mm512_set1_ps(c_row[R]), old = _mm512_set1_ps(st->threshold[R]);
+    __m512 s[kMaxChunks], b[kMaxChunks];
+    __mmask16 any = 0;
+    for (int c = 0; c < chunks; ++c) {
+      const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(tile + r * ld + 16 * c), cs[c]);
+      s[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale[c]);
+      b[c] = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(va, f[c]), _mm512_mul_ps(vc, n[c])), tiny);
+      any |= _mm512_mask_cmp_ps_mask(valid[c], _mm512_add_ps(s[c], b[c]), old, _CMP_GE_OQ);
+    }
+    if (any == 0) continue;  // integer sums: no NaN to look for
+    __m512 lo_max = ninf;
+    for (int c = 0; c < chunks; ++c) lo_max = _mm512_mask_max_ps(lo_max, valid[c], lo_max, _mm512_sub_ps(s[c], b[c]));
+    const float thr = std::max(st->threshold[R], _mm512_reduce_max_ps(lo_max));
+    st->threshold[R] = thr;
+    const __m512 vthr = _mm512_set1_ps(thr);
+    for (int c = 0; c < chunks; ++c) {
+      const __m512 upper = _mm512_add_ps(s[c], b[c]);
+      uint32_t bits = _mm512_mask_cmp_ps_mask(valid[c], upper, vthr, _CMP_GE_OQ);
+      if (bits == 0) continue;
+      alignas(64) float u[16];
+      _mm512_store_ps(u, upper);
+      while (bits != 0) {
+        const int j = __builtin_ctz(bits);
+        st->kept.push_back({static_cast<int32_t>(R), static_cast<int32_t>(col + 16 * c + j), u[j]});
         bits &= bits - 1;
       }
     }
