@@ -145,6 +145,11 @@ def run(args) -> int:
         result["ratio_output_tokens_per_s"] = result["pagedserve"]["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"]
     if args.profile:
         result["profile"] = ours[-1]["profile"]
+    screen = getattr(llm.llm_engine.runner.model, "greedy_head", None)
+    if screen is not None and screen.rows:
+        result["pagedserve"]["greedy_screen"] = {
+            "kind": screen.kind, "rows": screen.rows, "float32_logits_per_row": screen.computed / screen.rows,
+            "vocab_size": spec.vocab_size}
     if args.ceiling:
         from pagedserve.bench.ceiling import gemm_ceiling
 
@@ -184,5 +189,9 @@ def _print(r: dict, profile_text: str | None) -> None:
                   f"pagedserve achieved {100 * r['torch_ceiling_fraction']:.1f} % of that")
     print(f"prefill tokens computed: {p['prefill_tokens_computed']} of {r['prompt_tokens']} "
           f"(prefix-cache hits {p['prefix_cache_hit_tokens']} tokens)")
+    if "greedy_screen" in p:
+        g = p["greedy_screen"]
+        print(f"greedy LM-head screen ({g['kind']}): {g['rows']} rows, {g['float32_logits_per_row']:.1f} float32 logits "
+              f"per row of {g['vocab_size']} (GFLOP/s above count the whole float32 head)")
     if profile_text:
         print(profile_text)

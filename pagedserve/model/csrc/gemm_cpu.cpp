@@ -625,12 +625,21 @@ int64_t f32_k_block(int64_t k) {
   return use_avx512 ? k_block(k, Avx512Tile::k_blocking<float>()) : k_block(k, Avx2Tile::k_blocking<float>());
 }
 
-// The screens' last step: merges the threads' tokens of each row that pass `threshold[row]`,
-// computes them in float32 and writes the first of the largest to out (-1 where `bad[row]`, or a
-// float32 logit is NaN). Returns how many were computed.
+// The screens' last step: merges the threads' thresholds of each row and the tokens that pass the
+// merged one, computes those in float32 and writes the first of the largest to out (-1 where the
+// row is `bad`, saw a NaN or no finite threshold, or a float32 logit is NaN). Returns how many
+// logits were computed.
 int64_t screen_finish(const std::vector<greedy_screen::ThreadState>& states, int nthreads, int64_t m,
-                      const std::vector<float>& threshold, const std::vector<uint8_t>& bad, const float* x,
-                      int64_t ldx, int64_t k, const float* w_rows, int64_t* out) {
+                      std::vector<uint8_t>* bad_rows, const float* x, int64_t ldx, int64_t k, const float* w_rows,
+                      int64_t* out) {
+  std::vector<float> threshold(m, -INFINITY);
+  std::vector<uint8_t>& bad = *bad_rows;
+  for (int t = 0; t < nthreads; ++t)
+    for (int64_t r = 0; r < m; ++r) {
+      threshold[r] = std::max(threshold[r], states[t].threshold[r]);
+      bad[r] |= states[t].nan[r];
+    }
+  for (int64_t r = 0; r < m; ++r) bad[r] |= !std::isfinite(threshold[r]);
   std::vector<int64_t> start(m + 1, 0);
   for (int t = 0; t < nthreads; ++t)
     for (const auto& c : states[t].kept)
@@ -883,15 +892,9 @@ int64_t greedy_screen_argmax(const float* x, int64_t ldx, const uint16_t* xb, in
                                [&](const float* t, int64_t r, int64_t rs, int64_t c, int64_t cs, int64_t) {
                                  take(t, Avx512Bf16Tile::kCols, r, rs, c, cs);
                                });
-  std::vector<float> threshold(m, -INFINITY);
   std::vector<uint8_t> bad(m, 0);
-  for (int t = 0; t < nthreads; ++t)
-    for (int64_t r = 0; r < m; ++r) {
-      threshold[r] = std::max(threshold[r], states[t].threshold[r]);
-      bad[r] |= states[t].nan[r];
-    }
-  for (int64_t r = 0; r < m; ++r) bad[r] |= !std::isfinite(threshold[r]) || !std::isfinite(beta[r]);
-  return screen_finish(states, nthreads, m, threshold, bad, x, ldx, k, w_rows, out);
+  for (int64_t r = 0; r < m; ++r) bad[r] = !std::isfinite(beta[r]);
+  return screen_finish(states, nthreads, m, &bad, x, ldx, k, w_rows, out);
 }
 
 // 1 when this CPU runs the int8 screen below (AVX512-VNNI) and it takes this k (one k block).
@@ -983,11 +986,7 @@ int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_
                                greedy_screen::take_tile_int8(t, Avx512VnniTile::kCols, r, rs, cl, cs, tokens, a.data(),
                                                              c.data(), &state[omp_get_thread_num()]);
                              });
-  std::vector<float> threshold(m, -INFINITY);
-  for (int t = 0; t < nthreads; ++t)
-    for (int64_t r = 0; r < m; ++r) threshold[r] = std::max(threshold[r], states[t].threshold[r]);
-  for (int64_t r = 0; r < m; ++r) bad[r] |= !std::isfinite(threshold[r]);
-  return screen_finish(states, nthreads, m, threshold, bad, x, ldx, k, w_rows, out);
+  return screen_finish(states, nthreads, m, &bad, x, ldx, k, w_rows, out);
 }
 
 }  // extern "C"

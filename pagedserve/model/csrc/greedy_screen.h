@@ -45,6 +45,15 @@ struct ThreadState {
   }
 };
 
+// Keeps the tokens first + j for each bit j set in `bits`, with their upper values u[j].
+inline void keep(ThreadState* st, int64_t row, int64_t first, uint32_t bits, const float* u) {
+  while (bits != 0) {
+    const int j = __builtin_ctz(bits);
+    st->kept.push_back({static_cast<int32_t>(row), static_cast<int32_t>(first + j), u[j]});
+    bits &= bits - 1;
+  }
+}
+
 inline float max_lane(__m256 v) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -88,15 +97,11 @@ inline void take_tile(const float* tile, int64_t ld, int64_t row, int64_t rows, 
     const __m256 vthr = _mm256_set1_ps(thr);
     for (int c = 0; c < chunks; ++c) {
       const __m256 upper = _mm256_add_ps(s[c], b[c]);
-      int bits = _mm256_movemask_ps(_mm256_and_ps(valid[c], _mm256_cmp_ps(upper, vthr, _CMP_GE_OQ)));
+      const int bits = _mm256_movemask_ps(_mm256_and_ps(valid[c], _mm256_cmp_ps(upper, vthr, _CMP_GE_OQ)));
       if (bits == 0) continue;
       alignas(32) float u[8];
       _mm256_store_ps(u, upper);
-      while (bits != 0) {
-        const int j = __builtin_ctz(bits);
-        st->kept.push_back({static_cast<int32_t>(R), static_cast<int32_t>(col + 8 * c + j), u[j]});
-        bits &= bits - 1;
-      }
+      keep(st, R, col + 8 * c, static_cast<uint32_t>(bits), u);
     }
   }
 }
@@ -149,15 +154,11 @@ __attribute__((target("avx512f"))) inline void take_tile_int8(const float* tile,
     const __m512 vthr = _mm512_set1_ps(thr);
     for (int c = 0; c < chunks; ++c) {
       const __m512 upper = _mm512_add_ps(s[c], b[c]);
-      uint32_t bits = _mm512_mask_cmp_ps_mask(valid[c], upper, vthr, _CMP_GE_OQ);
+      const uint32_t bits = _mm512_mask_cmp_ps_mask(valid[c], upper, vthr, _CMP_GE_OQ);
       if (bits == 0) continue;
       alignas(64) float u[16];
       _mm512_store_ps(u, upper);
-      while (bits != 0) {
-        const int j = __builtin_ctz(bits);
-        st->kept.push_back({static_cast<int32_t>(R), static_cast<int32_t>(col + 16 * c + j), u[j]});
-        bits &= bits - 1;
-      }
+      keep(st, R, col + 16 * c, bits, u);
     }
   }
 }
