@@ -25,6 +25,7 @@ def tile(request):
 
 
 _INT8 = cpu_gemm.usable() and bool(cpu_gemm._native.lib.greedy_screen_int8_takes(512))
+_BF16_HEAD = _INT8 and cpu_gemm.bf16_k_pairs() and cpu_gemm.bf16_dot()  # a bfloat16 head on vdpbf16ps
 
 
 @pytest.fixture(params=["int8", "bf16"])
@@ -135,3 +136,44 @@ def test_int8_bound_formula_holds():
     err = (screen - head(x).double()).abs()
     assert (err <= bound).all()
     assert (err / bound).max() > 0.01  # not a bound so loose that every token passes
+
+
+@pytest.mark.skipif(not _BF16_HEAD, reason="a bfloat16 head is screened only on AVX512-VNNI + vdpbf16ps CPUs")
+@pytest.mark.parametrize("k", [64, 511, 1024])
+@pytest.mark.parametrize("m", [1, 9, 300])
+def test_bfloat16_head_argmax_matches(m, k):
+    """The int8 screen of a bfloat16 head picks what argmax over the head's own bfloat16 logits
+    picks: ties after the rounding to bfloat16 (common: 8 bits) go to the first index."""
+    n = 1000
+    head32, weight = _head(n, k, seed=m + k)
+    lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        lin.weight[7] = lin.weight[3] * (1 + 2 ** -7)  # one bfloat16 step away: ties with row 3 or not
+    head = cpu_gemm.NativeLinear(lin)
+    screened = greedy_head.ScreenedGreedyHead(head, "int8")
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=g) * 4).to(torch.bfloat16)
+    x[0] = lin.weight[3].detach() * 30
+    if m > 2:
+        x[1] = 0.0
+        x[2, 5] = float("nan")
+    want = cpu_fused.argmax(head(x))
+    got = screened.argmax(x)
+    assert got.tolist() == want.tolist()
+    assert screened.computed <= n + m * 60
+
+
+@pytest.mark.skipif(not _BF16_HEAD, reason="a bfloat16 head is screened only on AVX512-VNNI + vdpbf16ps CPUs")
+def test_engine_bfloat16_greedy_same_with_and_without_screen(llama_dir, monkeypatch):
+    prompts = random_prompts(10, 300, [1, 5, 17, 33, 64, 100, 9, 130, 2, 48])
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    runs = {}
+    for mode in ("int8", "0"):
+        monkeypatch.setenv("PAGEDSERVE_GREEDY_SCREEN", mode)
+        llm = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[mode] = [o.outputs[0].token_ids for o in outs]
+        head = getattr(llm.llm_engine.runner.model, "greedy_head", None)
+        assert (head is not None and head.rows == 120) == (mode == "int8")
+    assert runs["int8"] == runs["0"]

@@ -57,7 +57,8 @@ _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS + ["-ffp-cont
     "greedy_screen_int8_takes": (_N, [_I]),
     "greedy_screen_int8_packed_size": (_I, [_I, _I]),
     "greedy_screen_int8_pack": (None, [_P, _I, _I, _P, _N]),
-    "greedy_screen_int8_argmax": (_I, [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_double, _P, _N]),
+    "greedy_screen_int8_argmax": (_I, [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_double, _P, _I, _P,
+                                       ctypes.c_double, _P, _N]),
 }, "native CPU GEMM", "using oneDNN / torch linear")
 
 

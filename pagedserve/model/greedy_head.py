@@ -27,10 +27,18 @@ of the test itself, and 2⁻¹⁰⁰ for flushed denormals. The float32 argmax v
 bound[v*] ≥ float32[v*] ≥ float32[u] ≥ screen[u] − bound[u] for every u, so it passes the test.
 
 On the small model's random weights ~4 (bfloat16) and ~14 (int8) tokens of 32000 per row pass,
-and the LM head takes 20 (bfloat16) or 12 ms (int8) instead of 39 at 256 rows (Zen 4, 2 threads). Rows
+and the LM head takes 20 (bfloat16) or 12 ms (int8) instead of 39 at 256 rows (Zen 4, 2 threads).
+
+A bfloat16 head (the engine's bfloat16 models, where the head runs the vdpbf16ps tile and stores
+bfloat16 logits) takes the int8 screen too. Its exact checks replay the tile: a chain of
+vdpbf16ps over the k pairs per token, rounded to bfloat16 as the tile stores it; ties after that
+rounding are common, so every token within one bfloat16 step of the largest logit (≤ 2⁻⁷·‖h‖·
+max‖W[v]‖) stays in as well, and the first of the largest wins, as argmax over the head's own
+logits. ~29 tokens per row pass; 15 instead of 21 ms at 256 rows. Rows
 with a NaN or an infinity fall back to the full float32 row. PAGEDSERVE_GREEDY_SCREEN: `auto`
 (default: int8 where the CPU has AVX512-VNNI, else bfloat16 where the vdpbf16ps tile runs, else
-off), `int8` or `bf16` (that screen wherever it can run, for tests and A/B runs), `0` (off).
+off; bfloat16 heads: int8 only), `int8` or `bf16` (that screen wherever it can run, for tests and
+A/B runs), `0` (off).
 """
 from __future__ import annotations
 
@@ -95,20 +103,31 @@ def _quantise_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 class ScreenedGreedyHead:
-    """The argmax of a float32 NativeLinear LM head (no bias) through an int8 or bfloat16 screen."""
+    """The argmax of a NativeLinear LM head (no bias; float32, or bfloat16 on the vdpbf16ps tile)
+    through an int8 or (float32 heads) bfloat16 screen."""
 
     def __init__(self, head: cpu_gemm.NativeLinear, kind: str):
         packed = head.packed
         n, k = packed.out_features, packed.in_features
-        # the float32 panels [N/16][K][16] back to W [N, K]
-        w = packed.panels.view(-1, k, 16).transpose(1, 2).reshape(-1, k)[:n]
+        self.bf16_head = packed.dtype == torch.bfloat16
+        if self.bf16_head:
+            if kind != "int8":
+                raise ValueError("a bfloat16 LM head takes the int8 screen only")
+            if not (packed.k_pairs and packed.bf16_out and cpu_gemm.bf16_dot()):
+                raise ValueError("a bfloat16 LM head is screened only where it runs on the vdpbf16ps tile")
+            # the k-pair panels [N/16][K/2][16][2] back to W [N, K]
+            wk = (k + 1) // 2 * 2
+            w = packed.panels.view(-1, wk // 2, 16, 2).permute(0, 2, 1, 3).reshape(-1, wk)[:n, :k].float()
+        else:
+            # the float32 panels [N/16][K][16] back to W [N, K]
+            w = packed.panels.view(-1, k, 16).transpose(1, 2).reshape(-1, k)[:n]
         if not torch.isfinite(w).all():
             raise ValueError("the LM head holds non-finite weights")
         self.head, self.kind = head, kind
-        # W row-major for the exact checks: in the GEMM's panels one token's weights are 64 bytes
-        # apart, a cache line each
-        self.w_rows = w.contiguous()
-        self.rows = self.computed = 0  # rows screened and float32 logits computed for them (stats)
+        # W row-major for the exact checks of a float32 head: in the GEMM's panels one token's
+        # weights are 64 bytes apart, a cache line each
+        self.w_rows = None if self.bf16_head else w.contiguous()
+        self.rows = self.computed = 0  # rows screened and logits computed exactly for them (stats)
         lib = cpu_gemm._native.lib
         if kind == "int8":
             if not lib.greedy_screen_int8_takes(k):
@@ -120,8 +139,12 @@ class ScreenedGreedyHead:
             q8 = q.to(torch.int8).contiguous()
             self.screen_panels = torch.empty(lib.greedy_screen_int8_packed_size(n, k), dtype=torch.int8)
             lib.greedy_screen_int8_pack(q8.data_ptr(), n, k, self.screen_panels.data_ptr(), torch.get_num_threads())
-            # the float32 sums (GEMM and screen) and the screen's float roundings
-            self.g = _gamma(k) + 4 * _U32
+            # the head's float32 sums (doubled for vdpbf16ps, whose steps' rounding is the CPU's own)
+            # and the screen's float roundings
+            self.g = (2 if self.bf16_head else 1) * _gamma(k) + 4 * _U32
+            # a bfloat16 head rounds its logits: a token whose float32 sum is within one bfloat16
+            # step (≤ 2⁻⁷ of the largest logit, |logit| ≤ ‖h‖·‖W[v]‖) of the largest may tie it
+            self.rho = 2.0 ** -7 * (1 + _U) * 1.01 * self.w_norms.double().max().item() if self.bf16_head else 0.0
         elif kind == "bf16":
             self.screen_weight = cpu_gemm.pack_weight(w.to(torch.bfloat16))
             self.screen_panels = self.screen_weight.panels
@@ -132,11 +155,17 @@ class ScreenedGreedyHead:
 
     @property
     def extra_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.screen_panels, self.w_rows))
+        return sum(t.numel() * t.element_size() for t in (self.screen_panels, self.w_rows) if t is not None)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Token ids [M] (int64): the first index of each row's largest float32 logit."""
-        x = hidden.float().contiguous()
+        """Token ids [M] (int64): the first index of each row's largest logit, as the head computes
+        them (float32, or rounded to bfloat16 for a bfloat16 head)."""
+        from pagedserve.model import cpu_fused
+
+        if self.bf16_head and not cpu_gemm.bf16_dot():  # the head left the vdpbf16ps tile (an A/B switch)
+            return cpu_fused.argmax(self.head(hidden))
+        xb = hidden.to(torch.bfloat16).contiguous() if self.bf16_head else None
+        x = xb.float() if self.bf16_head else hidden.float().contiguous()
         m = x.shape[0]
         out = torch.empty(m, dtype=torch.int64)
         lib = cpu_gemm._native.lib
@@ -144,30 +173,31 @@ class ScreenedGreedyHead:
         n, k, threads = packed.out_features, packed.in_features, torch.get_num_threads()
         if self.kind == "int8":
             computed = lib.greedy_screen_int8_argmax(
-                x.data_ptr(), x.stride(0), m, k, self.w_rows.data_ptr(), self.screen_panels.data_ptr(), n,
-                self.colsum128.data_ptr(), self.sw.data_ptr(), self.f.data_ptr(), self.w_norms.data_ptr(), self.g,
+                x.data_ptr(), x.stride(0), m, k, None if self.bf16_head else self.w_rows.data_ptr(),
+                self.screen_panels.data_ptr(), n, self.colsum128.data_ptr(), self.sw.data_ptr(), self.f.data_ptr(),
+                self.w_norms.data_ptr(), self.g, xb.data_ptr() if self.bf16_head else None,
+                xb.stride(0) if self.bf16_head else 0, packed.panels.data_ptr() if self.bf16_head else None, self.rho,
                 out.data_ptr(), threads)
         else:
-            xb = x.to(torch.bfloat16)
+            xs = x.to(torch.bfloat16)
             computed = lib.greedy_screen_argmax(
-                x.data_ptr(), x.stride(0), xb.data_ptr(), xb.stride(0), m, k, self.w_rows.data_ptr(),
+                x.data_ptr(), x.stride(0), xs.data_ptr(), xs.stride(0), m, k, self.w_rows.data_ptr(),
                 self.screen_panels.data_ptr(), int(self.screen_weight.k_pairs), n, self.w_norms.data_ptr(),
                 self.coef, out.data_ptr(), threads)
         self.computed += computed
         self.rows += m
         fallback = (out < 0).nonzero().flatten()
-        if len(fallback):  # a non-finite value somewhere in these rows: the plain float32 head
-            from pagedserve.model import cpu_fused
-
-            out[fallback] = cpu_fused.argmax(self.head(x[fallback]))
+        if len(fallback):  # a non-finite value somewhere in these rows: the plain head
+            rows = (xb if self.bf16_head else x)[fallback]
+            out[fallback] = cpu_fused.argmax(self.head(rows))
         return out
 
 
-def _auto_kind(k: int) -> str | None:
+def _auto_kind(head: cpu_gemm.NativeLinear) -> str | None:
     lib = cpu_gemm._native.lib
-    if lib.greedy_screen_int8_takes(k):
+    if lib.greedy_screen_int8_takes(head.in_features):
         return "int8"
-    if cpu_gemm.bf16_k_pairs() and cpu_gemm.bf16_dot():
+    if head.packed.dtype == torch.float32 and cpu_gemm.bf16_k_pairs() and cpu_gemm.bf16_dot():
         return "bf16"
     return None
 
@@ -177,11 +207,11 @@ def attach(model) -> str | None:
     the load log, or None when the screen stays off."""
     mode = _mode()
     head = getattr(model, "lm_head", None)
-    if mode == "0" or not isinstance(head, cpu_gemm.NativeLinear) or head.packed.dtype != torch.float32:
+    if mode == "0" or not isinstance(head, cpu_gemm.NativeLinear) or head.bias is not None:
         return None
-    if head.bias is not None:
+    if head.packed.dtype not in (torch.float32, torch.bfloat16):
         return None
-    kind = _auto_kind(head.in_features) if mode == "auto" else mode
+    kind = _auto_kind(head) if mode == "auto" else mode
     if kind is None:
         return None
     try:
@@ -191,4 +221,5 @@ def attach(model) -> str | None:
         return None
     mib = model.greedy_head.extra_bytes / 2**20
     name = "an int8" if kind == "int8" else "a bfloat16"
-    return f"greedy steps take the float32 LM head's argmax through {name} screen ({mib:.0f} MiB more)"
+    dtype = str(head.packed.dtype).replace("torch.", "")
+    return f"greedy steps take the {dtype} LM head's argmax through {name} screen ({mib:.0f} MiB more)"

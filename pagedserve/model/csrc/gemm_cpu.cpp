@@ -620,6 +620,36 @@ void exact_columns(const float* x, const float* w_rows, int64_t k, int64_t kc_ma
   }
 }
 
+// bfloat16 logits as the vdpbf16ps tile computes and stores them (gemm_bf16kp_bf16out, one k
+// block): per token a chain of vdpbf16ps over the k pairs in order from 0, rounded to bfloat16
+// once (bf16::round8, the store's own rounding), here widened back to float. 16 tokens at a time,
+// one lane each, their weight pairs gathered from the k-pair panels (gemm_bf16kp_pack).
+__attribute__((target("avx512f,avx512bf16"))) void exact_columns_dot(const uint16_t* xb, const uint16_t* w_kp,
+                                                                    int64_t k, const int32_t* v, int64_t count,
+                                                                    float* values) {
+  const int64_t wk = (k + 1) / 2 * 2, steps = wk / 2;
+  const int* words = reinterpret_cast<const int*>(w_kp);
+  for (int64_t c0 = 0; c0 < count; c0 += 16) {
+    alignas(64) int32_t idx[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t col = v[std::min<int64_t>(c0 + j, count - 1)];
+      idx[j] = static_cast<int32_t>(col / kNR * wk * kNR / 2 + col % kNR);  // 32-bit words: (k, k + 1) pairs
+    }
+    const __m512i at = _mm512_load_si512(idx);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t step = 0; step < steps; ++step) {
+      const uint32_t lo = xb[2 * step], hi = 2 * step + 1 < k ? xb[2 * step + 1] : 0;
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo | hi << 16));
+      const __m512bh w = (__m512bh)_mm512_i32gather_epi32(at, words + step * kNR, 4);
+      acc = _mm512_dpbf16_ps(acc, a, w);
+    }
+    alignas(64) float out[16];
+    _mm256_store_ps(out, bf16::round8(_mm512_castps512_ps256(acc)));
+    _mm256_store_ps(out + 8, bf16::round8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
+    for (int64_t j = 0; j < 16 && c0 + j < count; ++j) values[c0 + j] = out[j];
+  }
+}
+
 // The float32 k blocks gemm_f32 cuts a K-long sum into, on the tile in use.
 int64_t f32_k_block(int64_t k) {
   return use_avx512 ? k_block(k, Avx512Tile::k_blocking<float>()) : k_block(k, Avx2Tile::k_blocking<float>());
@@ -629,9 +659,10 @@ int64_t f32_k_block(int64_t k) {
 // merged one, computes those in float32 and writes the first of the largest to out (-1 where the
 // row is `bad`, saw a NaN or no finite threshold, or a float32 logit is NaN). Returns how many
 // logits were computed.
+// exact(row, tokens, count, values) computes the row's logits of the tokens as the head does.
+template <typename Exact>
 int64_t screen_finish(const std::vector<greedy_screen::ThreadState>& states, int nthreads, int64_t m,
-                      std::vector<uint8_t>* bad_rows, const float* x, int64_t ldx, int64_t k, const float* w_rows,
-                      int64_t* out) {
+                      std::vector<uint8_t>* bad_rows, Exact&& exact, int64_t* out) {
   std::vector<float> threshold(m, -INFINITY);
   std::vector<uint8_t>& bad = *bad_rows;
   for (int t = 0; t < nthreads; ++t)
@@ -652,7 +683,6 @@ int64_t screen_finish(const std::vector<greedy_screen::ThreadState>& states, int
       for (const auto& c : states[t].kept)
         if (c.upper >= threshold[c.row]) tokens[fill[c.row]++] = c.token;
   }
-  const int64_t kc_max = f32_k_block(k);
   int64_t computed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : computed)
   {
@@ -668,7 +698,7 @@ int64_t screen_finish(const std::vector<greedy_screen::ThreadState>& states, int
       std::sort(first, first + count);  // ascending: the first of equal maxima wins
       values.resize(count);
       computed += count;
-      exact_columns(x + r * ldx, w_rows, k, kc_max, first, count, values.data());
+      exact(r, first, count, values.data());
       int64_t best = -1;
       float best_value = -INFINITY;
       for (int64_t j = 0; j < count; ++j) {
@@ -894,7 +924,10 @@ int64_t greedy_screen_argmax(const float* x, int64_t ldx, const uint16_t* xb, in
                                });
   std::vector<uint8_t> bad(m, 0);
   for (int64_t r = 0; r < m; ++r) bad[r] = !std::isfinite(beta[r]);
-  return screen_finish(states, nthreads, m, &bad, x, ldx, k, w_rows, out);
+  const int64_t kc_max = f32_k_block(k);
+  return screen_finish(states, nthreads, m, &bad, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
+    exact_columns(x + r * ldx, w_rows, k, kc_max, v, count, values);
+  }, out);
 }
 
 // 1 when this CPU runs the int8 screen below (AVX512-VNNI) and it takes this k (one k block).
@@ -919,18 +952,23 @@ void greedy_screen_int8_pack(const int8_t* q, int64_t n, int64_t k, int8_t* out,
 
 // greedy_screen_argmax's contract through an int8 screen (vpdpbusd): W quantised per token,
 // q_w = W / sw[v] rounded, packed by greedy_screen_int8_pack; colsum128[v] = 128 · Σ q_w[v];
-// f[v] = ‖W[v] − sw[v]·q_w[v]‖₂ and wn[v] = ‖W[v]‖₂, rounded up; g the float32 sums' factor
+// f[v] = ‖W[v] − sw[v]·q_w[v]‖₂ and wn[v] = ‖W[v]‖₂, rounded up; g the head's sums' factor
 // (greedy_head.py derives the bound). Each row is quantised here as uint8 (q + 128), at the scale
 // among a few clipping levels that leaves the smallest error.
+// A float32 head: W float32 row-major in w_rows, xb and w_kp null, rho 0. A bfloat16 head (the
+// vdpbf16ps tile storing bfloat16): x is xb widened, W is w_kp (k-pair panels), w_rows null, and
+// rho·‖h‖₂ bounds one bfloat16 step of the largest logit, so that every token whose rounded logit
+// can tie the largest stays in; out then picks as argmax over the head's bfloat16 logits.
 int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_rows,
                                   const int8_t* wq_packed, int64_t n, const int32_t* colsum128, const float* sw,
-                                  const float* f, const float* wn, double g, int64_t* out, int nthreads) {
+                                  const float* f, const float* wn, double g, const uint16_t* xb, int64_t ldxb,
+                                  const uint16_t* w_kp, double rho, int64_t* out, int nthreads) {
   if (m <= 0) return 0;
   if (!greedy_screen_int8_takes(k)) std::abort();
   nthreads = std::max(1, nthreads);
   thread_local std::vector<uint8_t> xq;
   xq.resize(m * k);
-  std::vector<float> a(m), c(m);
+  std::vector<float> a(m), c(m), t(m);
   std::vector<uint8_t> bad(m, 0);
   uint8_t* q = xq.data();
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -974,7 +1012,8 @@ int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_
     // in the screen's units (÷ sx), with 1 % on top, rounded up
     a[r] = std::nextafter(static_cast<float>(1.01 * std::sqrt(q2)), INFINITY);
     c[r] = std::nextafter(static_cast<float>(1.01 * (std::sqrt(e2) + g * std::sqrt(h2)) / sx), INFINITY);
-    bad[r] = !std::isfinite(a[r]) || !std::isfinite(c[r]);
+    t[r] = std::nextafter(static_cast<float>(0.5 * rho * std::sqrt(h2) / sx), INFINITY) + greedy_screen::kTiny;
+    bad[r] = !std::isfinite(a[r]) || !std::isfinite(c[r]) || !std::isfinite(t[r]);
   }
   thread_local std::vector<greedy_screen::ThreadState> states;  // reused across calls from this thread
   if (static_cast<int>(states.size()) < nthreads) states.resize(nthreads);
@@ -982,11 +1021,18 @@ int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_
   greedy_screen::ThreadState* state = states.data();  // (the pool's threads would see their own `states`)
   const greedy_screen::Int8Tokens tokens{colsum128, sw, f, wn};
   gemm_tiles<Avx512VnniTile>(q, k, m, k, wq_packed, n, nthreads,
-                             [&](const float* t, int64_t r, int64_t rs, int64_t cl, int64_t cs, int64_t) {
-                               greedy_screen::take_tile_int8(t, Avx512VnniTile::kCols, r, rs, cl, cs, tokens, a.data(),
-                                                             c.data(), &state[omp_get_thread_num()]);
+                             [&](const float* tl, int64_t r, int64_t rs, int64_t cl, int64_t cs, int64_t) {
+                               greedy_screen::take_tile_int8(tl, Avx512VnniTile::kCols, r, rs, cl, cs, tokens, a.data(),
+                                                             c.data(), t.data(), &state[omp_get_thread_num()]);
                              });
-  return screen_finish(states, nthreads, m, &bad, x, ldx, k, w_rows, out);
+  if (xb != nullptr)
+    return screen_finish(states, nthreads, m, &bad, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
+      exact_columns_dot(xb + r * ldxb, w_kp, k, v, count, values);
+    }, out);
+  const int64_t kc_max = f32_k_block(k);
+  return screen_finish(states, nthreads, m, &bad, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
+    exact_columns(x + r * ldx, w_rows, k, kc_max, v, count, values);
+  }, out);
 }
 
 }  // extern "C"

@@ -116,11 +116,13 @@ struct Int8Tokens {
 // The int8 screen's tile (vpdpbusd, gemm_tile_avx512.h): int32 sums of (q_h + 128) · q_w, q_h the
 // row quantised by its scale sx. s[v] = (sum − 128 · colsum[v]) · sw[v] is the screened logit
 // divided by sx (the same order as the logits), and so is the bound, b[v] = a[row] · f[v] +
-// c[row] · n[v] + kTiny (a and c come with the row, in those units). 16 lanes (AVX-512).
+// c[row] · n[v] + t[row] (a, c and t come with the row, in those units; t covers flushed
+// denormals and, for a bfloat16 head, its rounding). 16 lanes (AVX-512).
 __attribute__((target("avx512f"))) inline void take_tile_int8(const float* tile, int64_t ld, int64_t row,
                                                               int64_t rows, int64_t col, int64_t cols,
                                                               const Int8Tokens& tok, const float* a,
-                                                              const float* c_row, ThreadState* st) {
+                                                              const float* c_row, const float* t_row,
+                                                              ThreadState* st) {
   constexpr int kMaxChunks = 3;  // 48 columns
   const int chunks = static_cast<int>((cols + 15) / 16);
   __mmask16 valid[kMaxChunks];
@@ -134,10 +136,11 @@ __attribute__((target("avx512f"))) inline void take_tile_int8(const float* tile,
     f[c] = _mm512_maskz_loadu_ps(valid[c], tok.f + at);
     n[c] = _mm512_maskz_loadu_ps(valid[c], tok.n + at);
   }
-  const __m512 tiny = _mm512_set1_ps(kTiny), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t R = row + r;
-    const __m512 va = _mm512_set1_ps(a[R]), vc = _mm512_set1_ps(c_row[R]), old = _mm512_set1_ps(st->threshold[R]);
+    const __m512 va = _mm512_set1_ps(a[R]), vc = _mm512_set1_ps(c_row[R]), tiny = _mm512_set1_ps(t_row[R]);
+    const __m512 old = _mm512_set1_ps(st->threshold[R]);
     __m512 s[kMaxChunks], b[kMaxChunks];
     __mmask16 any = 0;
     for (int c = 0; c < chunks; ++c) {
