@@ -177,3 +177,31 @@ def test_engine_bfloat16_greedy_same_with_and_without_screen(llama_dir, monkeypa
         head = getattr(llm.llm_engine.runner.model, "greedy_head", None)
         assert (head is not None and head.rows == 120) == (mode == "int8")
     assert runs["int8"] == runs["0"]
+
+
+@pytest.mark.skipif(not _INT8, reason="this CPU has no AVX512-VNNI")
+def test_auto_mode_gives_way_when_the_screen_keeps_too_many():
+    """Hidden rows with one outlier feature (as trained models have) quantise coarsely in int8:
+    in auto mode the int8 screen then hands over to the next kind, or to the plain head, after
+    REVIEW_ROWS rows, and the tokens stay the head's."""
+    from types import SimpleNamespace
+
+    n, k = 4096, 512
+    head, _ = _head(n, k, seed=5)
+    owner = SimpleNamespace()
+    screen = greedy_head.ScreenedGreedyHead(head, "int8")
+    owner.greedy_head, screen.owner, screen.next_kinds = screen, owner, ["bf16"]
+    x = torch.randn(greedy_head.REVIEW_ROWS, k, generator=torch.Generator().manual_seed(6))
+    x[:, 0] = 60.0
+    assert screen.argmax(x).tolist() == cpu_fused.argmax(head(x)).tolist()
+    assert screen.computed > screen.rows * n / greedy_head.MAX_SHARE
+    after = getattr(owner, "greedy_head", None)
+    assert after is not screen
+    if cpu_gemm.bf16_k_pairs() or not _AVX512:
+        assert after.kind == "bf16" and after.next_kinds == []
+        assert after.argmax(x).tolist() == cpu_fused.argmax(head(x)).tolist()
+    # a screen that keeps few stays
+    calm = greedy_head.ScreenedGreedyHead(head, "int8")
+    owner.greedy_head, calm.owner, calm.next_kinds = calm, owner, ["bf16"]
+    calm.argmax(torch.randn(greedy_head.REVIEW_ROWS, k))
+    assert owner.greedy_head is calm and calm.next_kinds is None

@@ -37,8 +37,9 @@ max‖W[v]‖) stays in as well, and the first of the largest wins, as argmax ov
 logits. ~29 tokens per row pass; 15 instead of 21 ms at 256 rows. Rows
 with a NaN or an infinity fall back to the full float32 row. PAGEDSERVE_GREEDY_SCREEN: `auto`
 (default: int8 where the CPU has AVX512-VNNI, else bfloat16 where the vdpbf16ps tile runs, else
-off; bfloat16 heads: int8 only), `int8` or `bf16` (that screen wherever it can run, for tests and
-A/B runs), `0` (off).
+off; bfloat16 heads: int8 only; a screen that leaves too many tokens per row gives way to the
+next, see `_review`), `int8` or `bf16` (that screen wherever it can run, kept whatever it costs:
+for tests and A/B runs), `0` (off).
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ log = logging.getLogger("pagedserve")
 _U = 2.0 ** -8  # bfloat16 unit roundoff
 _U32 = 2.0 ** -24  # float32 unit roundoff
 MODES = ("auto", "int8", "bf16", "0")
+REVIEW_ROWS = 256  # rows screened before auto mode judges a screen (ScreenedGreedyHead._review)
+MAX_SHARE = 256  # ... which keeps it while it computes at most 1/MAX_SHARE of the vocabulary per row
 
 
 def _gamma(k: int) -> float:
@@ -107,6 +110,7 @@ class ScreenedGreedyHead:
     through an int8 or (float32 heads) bfloat16 screen."""
 
     def __init__(self, head: cpu_gemm.NativeLinear, kind: str):
+        self.owner, self.next_kinds = None, None  # set by attach() in auto mode (see _review)
         packed = head.packed
         n, k = packed.out_features, packed.in_features
         self.bf16_head = packed.dtype == torch.bfloat16
@@ -190,16 +194,44 @@ class ScreenedGreedyHead:
         if len(fallback):  # a non-finite value somewhere in these rows: the plain head
             rows = (xb if self.bf16_head else x)[fallback]
             out[fallback] = cpu_fused.argmax(self.head(rows))
+        if self.next_kinds is not None and self.rows >= REVIEW_ROWS:
+            self._review()
         return out
 
+    def _review(self) -> None:
+        """In auto mode, once REVIEW_ROWS rows are screened: a screen that leaves more than
+        1/MAX_SHARE of the vocabulary per row to compute exactly costs more than it saves, and
+        gives way to the next kind, or to the plain head. The bound is in the model's hands: int8
+        rows are quantised at one scale each, and trained models' hidden states carry a few
+        outlier features (SmolLM2-135M: ~1300 of 49152 tokens per row pass the int8 test, 3 the
+        bfloat16 one; the random-weight benchmark models: 15 and 5)."""
+        per_row = self.computed / self.rows
+        owner, rest, self.next_kinds = self.owner, self.next_kinds, None
+        if per_row <= self.head.packed.out_features / MAX_SHARE:
+            return
+        del owner.greedy_head
+        for kind in rest:
+            try:
+                nxt = ScreenedGreedyHead(self.head, kind)
+            except ValueError:
+                continue
+            nxt.owner, nxt.next_kinds = owner, rest[rest.index(kind) + 1:]
+            owner.greedy_head = nxt
+            log.info("greedy LM-head screen: %s left %.0f tokens per row to compute exactly; %s screen from now on",
+                     self.kind, per_row, kind)
+            return
+        log.info("greedy LM-head screen: %s left %.0f tokens per row to compute exactly; plain LM head from now on",
+                 self.kind, per_row)
 
-def _auto_kind(head: cpu_gemm.NativeLinear) -> str | None:
-    lib = cpu_gemm._native.lib
-    if lib.greedy_screen_int8_takes(head.in_features):
-        return "int8"
+
+def _auto_kinds(head: cpu_gemm.NativeLinear) -> list[str]:
+    """The screens to try in auto mode, best first."""
+    kinds = []
+    if cpu_gemm._native.lib.greedy_screen_int8_takes(head.in_features):
+        kinds.append("int8")
     if head.packed.dtype == torch.float32 and cpu_gemm.bf16_k_pairs() and cpu_gemm.bf16_dot():
-        return "bf16"
-    return None
+        kinds.append("bf16")
+    return kinds
 
 
 def attach(model) -> str | None:
@@ -211,15 +243,21 @@ def attach(model) -> str | None:
         return None
     if head.packed.dtype not in (torch.float32, torch.bfloat16):
         return None
-    kind = _auto_kind(head) if mode == "auto" else mode
-    if kind is None:
-        return None
-    try:
-        model.greedy_head = ScreenedGreedyHead(head, kind)
-    except ValueError as e:
-        log.info("greedy LM-head screen off: %s", e)
+    kinds = _auto_kinds(head) if mode == "auto" else [mode]
+    for i, kind in enumerate(kinds):
+        try:
+            screen = ScreenedGreedyHead(head, kind)
+        except ValueError as e:
+            log.info("greedy LM-head screen %s off: %s", kind, e)
+            continue
+        if mode == "auto":
+            screen.owner, screen.next_kinds = model, kinds[i + 1:]
+        model.greedy_head = screen
+        break
+    else:
         return None
     mib = model.greedy_head.extra_bytes / 2**20
+    kind = model.greedy_head.kind
     name = "an int8" if kind == "int8" else "a bfloat16"
     dtype = str(head.packed.dtype).replace("torch.", "")
     return f"greedy steps take the {dtype} LM head's argmax through {name} screen ({mib:.0f} MiB more)"
