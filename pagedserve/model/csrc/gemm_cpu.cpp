@@ -598,6 +598,21 @@ void gemm_bf16kp_bf16x(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, con
     gemm<Avx512Bf16Tile, kSiluMul>(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
 }
 
+// w [n, k] (row-major) → out [ceil(n/16)][ceil(k/G)][16][G]: per panel and group of G k values,
+// each column's G values side by side (k pairs of bfloat16 or k quads of int8 in a 32-bit lane),
+// zero-padded past n and k.
+template <int G, typename T>
+void pack_k_groups(const T* w, int64_t n, int64_t k, T* out, int nthreads) {
+  const int64_t panels = (n + kNR - 1) / kNR, wk = (k + G - 1) / G * G;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t kk = 0; kk < wk; ++kk)
+      for (int64_t j = 0; j < kNR; ++j) {
+        const int64_t col = p * kNR + j;
+        out[p * wk * kNR + kk / G * G * kNR + j * G + kk % G] = col < n && kk < k ? w[col * k + kk] : T{0};
+      }
+}
+
 // Float32 logits as gemm_f32 computes them (its tile's k blocks, each a chain of FMAs in k order
 // from 0, then added to the blocks before), for `count` tokens v[] of W [n, k] (row-major, the
 // same values as gemm_f32's packed panels, where one token's weights would be 64 bytes apart), no
@@ -795,14 +810,7 @@ int64_t gemm_bf16kp_packed_size(int64_t n, int64_t k) { return (n + kNR - 1) / k
 // column's two k values side by side in a 32-bit lane (see the AVX-512 bfloat16 tile),
 // zero-padded past n and k. out 64-byte aligned.
 void gemm_bf16kp_pack(const uint16_t* w, int64_t n, int64_t k, uint16_t* out, int nthreads) {
-  const int64_t panels = (n + kNR - 1) / kNR, wk = (k + 1) / 2 * 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t kk = 0; kk < wk; ++kk)
-      for (int64_t j = 0; j < kNR; ++j) {
-        const int64_t col = p * kNR + j;
-        out[p * wk * kNR + kk / 2 * 2 * kNR + j * 2 + kk % 2] = col < n && kk < k ? w[col * k + kk] : 0;
-      }
+  pack_k_groups<2>(w, n, k, out, nthreads);
 }
 
 // out[m, n] float32 = x[m, k] · Wᵀ + bias, W packed by gemm_bf16kp_pack, x bfloat16 (x_is_bf16 =
@@ -940,14 +948,7 @@ int64_t greedy_screen_int8_packed_size(int64_t n, int64_t k) { return (n + kNR -
 
 // q [n, k] int8 (row-major) → out [ceil(n/16)][ceil(k/4)][16][4], zero-padded past n and k.
 void greedy_screen_int8_pack(const int8_t* q, int64_t n, int64_t k, int8_t* out, int nthreads) {
-  const int64_t panels = (n + kNR - 1) / kNR, wk = (k + 3) / 4 * 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t kk = 0; kk < wk; ++kk)
-      for (int64_t j = 0; j < kNR; ++j) {
-        const int64_t col = p * kNR + j;
-        out[p * wk * kNR + kk / 4 * 4 * kNR + j * 4 + kk % 4] = col < n && kk < k ? q[col * k + kk] : 0;
-      }
+  pack_k_groups<4>(q, n, k, out, nthreads);
 }
 
 // greedy_screen_argmax's contract through an int8 screen (vpdpbusd): W quantised per token,
