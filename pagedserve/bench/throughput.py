@@ -148,7 +148,7 @@ def run(args) -> int:
     screen = getattr(llm.llm_engine.runner.model, "greedy_head", None)
     if screen is not None and screen.rows:
         result["pagedserve"]["greedy_screen"] = {
-            "kind": screen.kind, "rows": screen.rows, "float32_logits_per_row": screen.computed / screen.rows,
+            "kind": screen.kind, "rows": screen.rows, "exact_logits_per_row": screen.computed / screen.rows,
             "vocab_size": spec.vocab_size}
     if args.ceiling:
         from pagedserve.bench.ceiling import gemm_ceiling
@@ -191,7 +191,7 @@ def _print(r: dict, profile_text: str | None) -> None:
           f"(prefix-cache hits {p['prefix_cache_hit_tokens']} tokens)")
     if "greedy_screen" in p:
         g = p["greedy_screen"]
-        print(f"greedy LM-head screen ({g['kind']}): {g['rows']} rows, {g['float32_logits_per_row']:.1f} float32 logits "
-              f"per row of {g['vocab_size']} (GFLOP/s above count the whole float32 head)")
+        print(f"greedy LM-head screen ({g['kind']}): {g['rows']} rows, {g['exact_logits_per_row']:.1f} logits computed "
+              f"exactly per row of {g['vocab_size']} (GFLOP/s above count the whole head)")
     if profile_text:
         print(profile_text)
