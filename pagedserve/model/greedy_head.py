@@ -119,18 +119,19 @@ class ScreenedGreedyHead:
                 raise ValueError("a bfloat16 LM head takes the int8 screen only")
             if not (packed.k_pairs and packed.bf16_out and cpu_gemm.bf16_dot()):
                 raise ValueError("a bfloat16 LM head is screened only where it runs on the vdpbf16ps tile")
-            # the k-pair panels [N/16][K/2][16][2] back to W [N, K]
+            # the k-pair panels [N/16][K/2][16][2] back to W [N, K] (K rounded up to even)
             wk = (k + 1) // 2 * 2
-            w = packed.panels.view(-1, wk // 2, 16, 2).permute(0, 2, 1, 3).reshape(-1, wk)[:n, :k].float()
+            w_pairs = packed.panels.view(-1, wk // 2, 16, 2).permute(0, 2, 1, 3).reshape(-1, wk)[:n]
+            w = w_pairs[:, :k].float()
         else:
             # the float32 panels [N/16][K][16] back to W [N, K]
             w = packed.panels.view(-1, k, 16).transpose(1, 2).reshape(-1, k)[:n]
         if not torch.isfinite(w).all():
             raise ValueError("the LM head holds non-finite weights")
         self.head, self.kind = head, kind
-        # W row-major for the exact checks of a float32 head: in the GEMM's panels one token's
-        # weights are 64 bytes apart, a cache line each
-        self.w_rows = None if self.bf16_head else w.contiguous()
+        # W row-major (bfloat16 heads: as k-pair words) for the exact checks: in the GEMM's panels
+        # one token's weights are 64 bytes apart, a cache line each
+        self.w_rows = w_pairs.contiguous() if self.bf16_head else w.contiguous()
         self.rows = self.computed = 0  # rows screened and logits computed exactly for them (stats)
         lib = cpu_gemm._native.lib
         if kind == "int8":
@@ -180,7 +181,7 @@ class ScreenedGreedyHead:
                 x.data_ptr(), x.stride(0), m, k, None if self.bf16_head else self.w_rows.data_ptr(),
                 self.screen_panels.data_ptr(), n, self.colsum128.data_ptr(), self.sw.data_ptr(), self.f.data_ptr(),
                 self.w_norms.data_ptr(), self.g, xb.data_ptr() if self.bf16_head else None,
-                xb.stride(0) if self.bf16_head else 0, packed.panels.data_ptr() if self.bf16_head else None, self.rho,
+                xb.stride(0) if self.bf16_head else 0, self.w_rows.data_ptr() if self.bf16_head else None, self.rho,
                 out.data_ptr(), threads)
         else:
             xs = x.to(torch.bfloat16)

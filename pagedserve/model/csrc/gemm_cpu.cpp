@@ -638,24 +638,25 @@ void exact_columns(const float* x, const float* w_rows, int64_t k, int64_t kc_ma
 // bfloat16 logits as the vdpbf16ps tile computes and stores them (gemm_bf16kp_bf16out, one k
 // block): per token a chain of vdpbf16ps over the k pairs in order from 0, rounded to bfloat16
 // once (bf16::round8, the store's own rounding), here widened back to float. 16 tokens at a time,
-// one lane each, their weight pairs gathered from the k-pair panels (gemm_bf16kp_pack).
-__attribute__((target("avx512f,avx512bf16"))) void exact_columns_dot(const uint16_t* xb, const uint16_t* w_kp,
+// one lane each, their weight pairs gathered from W row-major (w_pairs [n][ceil(k/2)] words, a
+// word being a k pair with the even k in its low half, as in the panels' lanes). Row-major rather
+// than the GEMM's k-pair panels: there a token's pairs are 64 bytes apart, so each token's check
+// pulled its panel's whole 16 KB through the caches (W1 bfloat16, ~30 checks per row: the checks
+// took ~1/6 of the screen); here its 1 KB are contiguous and each gathered line serves 16 steps.
+__attribute__((target("avx512f,avx512bf16"))) void exact_columns_dot(const uint16_t* xb, const uint16_t* w_pairs,
                                                                     int64_t k, const int32_t* v, int64_t count,
                                                                     float* values) {
-  const int64_t wk = (k + 1) / 2 * 2, steps = wk / 2;
-  const int* words = reinterpret_cast<const int*>(w_kp);
+  const int64_t steps = (k + 1) / 2;
+  const int* words = reinterpret_cast<const int*>(w_pairs);
   for (int64_t c0 = 0; c0 < count; c0 += 16) {
     alignas(64) int32_t idx[16];
-    for (int j = 0; j < 16; ++j) {
-      const int64_t col = v[std::min<int64_t>(c0 + j, count - 1)];
-      idx[j] = static_cast<int32_t>(col / kNR * wk * kNR / 2 + col % kNR);  // 32-bit words: (k, k + 1) pairs
-    }
+    for (int j = 0; j < 16; ++j) idx[j] = static_cast<int32_t>(v[std::min<int64_t>(c0 + j, count - 1)] * steps);
     const __m512i at = _mm512_load_si512(idx);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t step = 0; step < steps; ++step) {
       const uint32_t lo = xb[2 * step], hi = 2 * step + 1 < k ? xb[2 * step + 1] : 0;
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo | hi << 16));
-      const __m512bh w = (__m512bh)_mm512_i32gather_epi32(at, words + step * kNR, 4);
+      const __m512bh w = (__m512bh)_mm512_i32gather_epi32(at, words + step, 4);
       acc = _mm512_dpbf16_ps(acc, a, w);
     }
     alignas(64) float out[16];
@@ -956,14 +957,15 @@ void greedy_screen_int8_pack(const int8_t* q, int64_t n, int64_t k, int8_t* out,
 // f[v] = ‖W[v] − sw[v]·q_w[v]‖₂ and wn[v] = ‖W[v]‖₂, rounded up; g the head's sums' factor
 // (greedy_head.py derives the bound). Each row is quantised here as uint8 (q + 128), at the scale
 // among a few clipping levels that leaves the smallest error.
-// A float32 head: W float32 row-major in w_rows, xb and w_kp null, rho 0. A bfloat16 head (the
-// vdpbf16ps tile storing bfloat16): x is xb widened, W is w_kp (k-pair panels), w_rows null, and
+// A float32 head: W float32 row-major in w_rows, xb and w_pairs null, rho 0. A bfloat16 head (the
+// vdpbf16ps tile storing bfloat16): x is xb widened, W is w_pairs (bfloat16 row-major, k rounded
+// up to even with a zero: [n][ceil(k/2)] k-pair words), w_rows null, and
 // rho·‖h‖₂ bounds one bfloat16 step of the largest logit, so that every token whose rounded logit
 // can tie the largest stays in; out then picks as argmax over the head's bfloat16 logits.
 int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_rows,
                                   const int8_t* wq_packed, int64_t n, const int32_t* colsum128, const float* sw,
                                   const float* f, const float* wn, double g, const uint16_t* xb, int64_t ldxb,
-                                  const uint16_t* w_kp, double rho, int64_t* out, int nthreads) {
+                                  const uint16_t* w_pairs, double rho, int64_t* out, int nthreads) {
   if (m <= 0) return 0;
   if (!greedy_screen_int8_takes(k)) std::abort();
   nthreads = std::max(1, nthreads);
@@ -1028,7 +1030,7 @@ int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_
                              });
   if (xb != nullptr)
     return screen_finish(states, nthreads, m, &bad, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
-      exact_columns_dot(xb + r * ldxb, w_kp, k, v, count, values);
+      exact_columns_dot(xb + r * ldxb, w_pairs, k, v, count, values);
     }, out);
   const int64_t kc_max = f32_k_block(k);
   return screen_finish(states, nthreads, m, &bad, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
