@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "bf16.h"
@@ -405,13 +406,19 @@ struct Avx512VnniTile : TileShape<avx512::kMR, 4> {
   static int64_t x_panel_elems(int64_t kc) { return kMR * w_k(kc) / 4; }
   static void pack_x(const uint8_t* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
     uint32_t* quads = reinterpret_cast<uint32_t*>(out);
-    for (int64_t kq = 0; kq < w_k(kc) / 4; ++kq)
-      for (int64_t r = 0; r < kMR; ++r) {
+    const int64_t full = kc / 4;  // quads inside the row: 4 bytes as they lie (little-endian: k in byte k % 4)
+    for (int64_t r = 0; r < kMR; ++r) {
+      const uint8_t* xr = x + r * ldx;
+      for (int64_t kq = 0; kq < w_k(kc) / 4; ++kq) {
         uint32_t word = 0;
-        for (int64_t b = 0; b < 4; ++b)
-          if (r < rows && 4 * kq + b < kc) word |= static_cast<uint32_t>(x[r * ldx + 4 * kq + b]) << (8 * b);
+        if (r < rows && kq < full)
+          std::memcpy(&word, xr + 4 * kq, 4);
+        else
+          for (int64_t b = 0; b < 4; ++b)
+            if (r < rows && 4 * kq + b < kc) word |= static_cast<uint32_t>(xr[4 * kq + b]) << (8 * b);
         quads[kq * kMR + r] = word;
       }
+    }
   }
   static void product(const float* x, const int8_t* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
     avx512::tile_product_vnni(reinterpret_cast<const uint32_t*>(x), w, panel_stride, kc, np, tile);
