@@ -165,6 +165,38 @@ def test_bfloat16_head_argmax_matches(m, k):
 
 
 @pytest.mark.skipif(not _BF16_HEAD, reason="a bfloat16 head is screened only on AVX512-VNNI + vdpbf16ps CPUs")
+def test_bfloat16_head_rounding_ties_go_to_the_first_index():
+    """Two tokens whose float32 logits differ but round to the same bfloat16 value tie in the
+    head's argmax, and the first wins although the later one's float32 logit is larger. The screen
+    cuts its tie margin to one bfloat16 step of the row's largest logit; both must stay in.
+
+    Integer weights and rows with a 127 in each make the int8 screen exact, so its bound is only
+    the float32 sums' (~1e-4 of ‖h‖·‖w‖) and the tie margin alone keeps the first token: the two
+    logits are ~0.07 % apart, a bfloat16 step is ~0.4-0.8 %."""
+    n, k, a, b = 2000, 1024, 100, 1500
+    g = torch.Generator().manual_seed(11)
+    w = torch.randint(-60, 61, (n, k), generator=g).float()
+    w[:, 0] = 127.0  # each row's int8 scale is then exactly 1
+    w[a, 1] = 30.0
+    w[b] = w[a]
+    w[b, 1] = 60.0  # token b's logit is 30 · x[1] ≈ 900 above token a's, of ~1.2e6
+    lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    head = cpu_gemm.NativeLinear(lin)
+    screened = greedy_head.ScreenedGreedyHead(head, "int8")
+    x = w[a] + torch.randint(-2, 3, (64, k), generator=g).float()
+    x[:, 0] = 127.0
+    x = x.to(torch.bfloat16)
+    logits = head(x)
+    want = cpu_fused.argmax(logits)
+    exact = x.double() @ w.double().T
+    tied = (logits[:, a] == logits[:, b]) & (exact[:, b] > exact[:, a]) & (want == a)
+    assert int(tied.sum()) >= 32  # the case this test is about happens in most rows
+    assert screened.argmax(x).tolist() == want.tolist()
+
+
+@pytest.mark.skipif(not _BF16_HEAD, reason="a bfloat16 head is screened only on AVX512-VNNI + vdpbf16ps CPUs")
 def test_engine_bfloat16_greedy_same_with_and_without_screen(llama_dir, monkeypatch):
     prompts = random_prompts(10, 300, [1, 5, 17, 33, 64, 100, 9, 130, 2, 48])
     params = SamplingParams(max_tokens=12, **GREEDY)

@@ -683,9 +683,12 @@ int64_t f32_k_block(int64_t k) {
 // row is `bad`, saw a NaN or no finite threshold, or a float32 logit is NaN). Returns how many
 // logits were computed.
 // exact(row, tokens, count, values) computes the row's logits of the tokens as the head does.
+// tie (a bfloat16 head, else null): per row, the part of every bound that keeps tokens whose
+// rounded logit may tie the largest, sized for the largest logit possible, ‖h‖·max‖W[v]‖; here it is
+// cut to one bfloat16 step of the largest logit's own bound (see keep_from below).
 template <typename Exact>
 int64_t screen_finish(const std::vector<greedy_screen::ThreadState>& states, int nthreads, int64_t m,
-                      std::vector<uint8_t>* bad_rows, Exact&& exact, int64_t* out) {
+                      std::vector<uint8_t>* bad_rows, const float* tie, Exact&& exact, int64_t* out) {
   std::vector<float> threshold(m, -INFINITY);
   std::vector<uint8_t>& bad = *bad_rows;
   for (int t = 0; t < nthreads; ++t)
@@ -694,17 +697,38 @@ int64_t screen_finish(const std::vector<greedy_screen::ThreadState>& states, int
       bad[r] |= states[t].nan[r];
     }
   for (int64_t r = 0; r < m; ++r) bad[r] |= !std::isfinite(threshold[r]);
+  // keep_from[r]: the least upper value a token of row r needs. Without `tie`, the threshold. With
+  // it: the largest float32 logit L (screen units) lies in [lo, hi], lo = threshold + tie and hi =
+  // the largest upper − tie (the bounds without the tie part), so |L| ≤ M = max(|lo|, |hi|). A
+  // token whose bfloat16 logit equals round(L) has a float32 logit ≥ L − 2u/(1 − u)·|L| (u = 2⁻⁸,
+  // both roundings relative), so it keeps upper − tie ≥ lo − 2⁻⁷·(1 + u)·1.01·M (the 1 % also
+  // covers the float rounding of lo, hi and upper), less kTiny thrice: `tie` carries the bounds'
+  // kTiny (flushed denormals) too, so L may lie kTiny outside [lo, hi].
+  std::vector<double> keep_from(threshold.begin(), threshold.end());
+  if (tie != nullptr) {
+    std::vector<double> hi(m, -INFINITY);
+    for (int t = 0; t < nthreads; ++t)
+      for (const auto& c : states[t].kept)
+        if (c.upper >= threshold[c.row]) hi[c.row] = std::max(hi[c.row], static_cast<double>(c.upper) - tie[c.row]);
+    for (int64_t r = 0; r < m; ++r) {
+      if (bad[r]) continue;
+      const double lo = static_cast<double>(threshold[r]) + tie[r];
+      const double big = std::max(std::fabs(lo), std::fabs(hi[r]));
+      const double cut = lo - 0x1p-7 * (1 + 0x1p-8) * 1.01 * big - 3.0 * greedy_screen::kTiny + tie[r];
+      if (std::isfinite(cut)) keep_from[r] = std::max(keep_from[r], cut);  // never keeps fewer than needed
+    }
+  }
   std::vector<int64_t> start(m + 1, 0);
   for (int t = 0; t < nthreads; ++t)
     for (const auto& c : states[t].kept)
-      if (c.upper >= threshold[c.row]) ++start[c.row + 1];
+      if (c.upper >= keep_from[c.row]) ++start[c.row + 1];
   for (int64_t r = 0; r < m; ++r) start[r + 1] += start[r];
   std::vector<int32_t> tokens(start[m]);
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int t = 0; t < nthreads; ++t)
       for (const auto& c : states[t].kept)
-        if (c.upper >= threshold[c.row]) tokens[fill[c.row]++] = c.token;
+        if (c.upper >= keep_from[c.row]) tokens[fill[c.row]++] = c.token;
   }
   int64_t computed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : computed)
@@ -941,7 +965,7 @@ int64_t greedy_screen_argmax(const float* x, int64_t ldx, const uint16_t* xb, in
   std::vector<uint8_t> bad(m, 0);
   for (int64_t r = 0; r < m; ++r) bad[r] = !std::isfinite(beta[r]);
   const int64_t kc_max = f32_k_block(k);
-  return screen_finish(states, nthreads, m, &bad, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
+  return screen_finish(states, nthreads, m, &bad, nullptr, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
     exact_columns(x + r * ldx, w_rows, k, kc_max, v, count, values);
   }, out);
 }
@@ -1036,11 +1060,11 @@ int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_
                                                              c.data(), t.data(), &state[omp_get_thread_num()]);
                              });
   if (xb != nullptr)
-    return screen_finish(states, nthreads, m, &bad, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
+    return screen_finish(states, nthreads, m, &bad, t.data(), [&](int64_t r, const int32_t* v, int64_t count, float* values) {
       exact_columns_dot(xb + r * ldxb, w_pairs, k, v, count, values);
     }, out);
   const int64_t kc_max = f32_k_block(k);
-  return screen_finish(states, nthreads, m, &bad, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
+  return screen_finish(states, nthreads, m, &bad, nullptr, [&](int64_t r, const int32_t* v, int64_t count, float* values) {
     exact_columns(x + r * ldx, w_rows, k, kc_max, v, count, values);
   }, out);
 }
