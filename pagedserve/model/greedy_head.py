@@ -32,14 +32,13 @@ and the LM head takes 20 (bfloat16) or 12 ms (int8) instead of 39 at 256 rows (Z
 A bfloat16 head (the engine's bfloat16 models, where the head runs the vdpbf16ps tile and stores
 bfloat16 logits) takes the int8 screen too. Its exact checks replay the tile: a chain of
 vdpbf16ps over the k pairs per token (read from a row-major copy of W, as for a float32 head),
-rounded to bfloat16 as the tile stores it; ties after that
-rounding are common, so every token within one bfloat16 step of the largest logit stays in as
-well, and the first of the largest wins, as argmax over the head's own logits. The tiles keep
-tokens within a step of the largest logit possible (2⁻⁷·‖h‖·max‖W[v]‖); before the exact checks
-that margin is cut to a step of the largest logit's own bounds (csrc gemm_cpu.cpp,
-screen_finish). ~17 tokens per row pass; 13 instead of 21 ms at 256 rows (the medium model's
-head: ~48, 28 instead of 41 ms). Rows
-with a NaN or an infinity fall back to the full float32 row. PAGEDSERVE_GREEDY_SCREEN: `auto`
+rounded to bfloat16 as the tile stores it; ties after that rounding are common, so every token
+within one bfloat16 step of the largest logit stays in as well, and the first of the largest
+wins, as argmax over the head's own logits. The tiles keep tokens within a step of the largest
+logit possible (2⁻⁷·‖h‖·max‖W[v]‖); before the exact checks that margin is cut to a step of the
+largest logit's own bounds (csrc gemm_cpu.cpp, screen_finish). ~17 tokens per row pass; 13
+instead of 21 ms at 256 rows (the medium model's head: ~48, 28 instead of 41 ms). Rows with a NaN
+or an infinity fall back to the full float32 row. PAGEDSERVE_GREEDY_SCREEN: `auto`
 (default: int8 where the CPU has AVX512-VNNI, else bfloat16 where the vdpbf16ps tile runs, else
 off; bfloat16 heads: int8 only; a screen that leaves too many tokens per row gives way to the
 next, see `_review`), `int8` or `bf16` (that screen wherever it can run, kept whatever it costs:
