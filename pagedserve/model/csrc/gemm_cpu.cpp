@@ -497,14 +497,18 @@ class NextGroupPrefetch {
       : w_(reinterpret_cast<const char*>(w)), panel_bytes_(panel_stride * static_cast<int64_t>(sizeof(WT))),
         lines_per_panel_((kc * kNR * static_cast<int64_t>(sizeof(WT)) + 63) / 64), total_(np * lines_per_panel_),
         per_step_((total_ + steps - 1) / std::max<int64_t>(steps, 1)) {}
+  // (the next line kept as a panel and a line within it: a division per line cost ~2 % of the
+  // bfloat16 GEMMs' time)
   void step() {
-    for (int64_t e = 0; e < per_step_ && done_ < total_; ++e, ++done_)
-      _mm_prefetch(w_ + done_ / lines_per_panel_ * panel_bytes_ + done_ % lines_per_panel_ * 64, _MM_HINT_T1);
+    for (int64_t e = 0; e < per_step_ && done_ < total_; ++e, ++done_) {
+      _mm_prefetch(w_ + panel_ * panel_bytes_ + line_ * 64, _MM_HINT_T1);
+      if (++line_ == lines_per_panel_) line_ = 0, ++panel_;
+    }
   }
 
  private:
   const char* w_ = nullptr;
-  int64_t panel_bytes_ = 0, lines_per_panel_ = 1, total_ = 0, per_step_ = 0, done_ = 0;
+  int64_t panel_bytes_ = 0, lines_per_panel_ = 1, total_ = 0, per_step_ = 0, done_ = 0, panel_ = 0, line_ = 0;
 };
 
 // The driver: runs the tiles of x[m, k] · Wᵀ (k ≥ 1) over the threads and hands each finished
