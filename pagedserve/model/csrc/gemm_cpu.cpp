@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -406,6 +407,15 @@ struct Avx512Tile : TileShape<avx512::kMR, 1> {
   static constexpr int64_t kPanels = avx512::kPanels, kCols = avx512::kCols, kRowBlock = 512;
   template <typename WT>
   static KBlocking k_blocking() { return l2_k_blocking(kCols * 4 + kMR * 4); }
+  // float32 x: whole 8-row panels 16 k at a time through pack_x_8x16, the rest value by value
+  template <typename XT>
+  static void pack_x(const XT* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
+    int64_t k0 = 0;
+    if constexpr (std::is_same_v<XT, float>)
+      if (rows == kMR)
+        for (; k0 + 16 <= kc; k0 += 16) avx512::pack_x_8x16(x + k0, ldx, out + k0 * kMR);
+    pack_x_panel<kMR>(x + k0, ldx, rows, kc - k0, w_k(kc) - k0, out + k0 * kMR);
+  }
   static void product(const float* x, const float* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
     avx512::tile_product(x, w, panel_stride, kc, np, tile);
   }
