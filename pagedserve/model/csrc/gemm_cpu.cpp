@@ -413,7 +413,7 @@ struct Avx512Tile : TileShape<avx512::kMR, 1> {
     int64_t k0 = 0;
     if constexpr (std::is_same_v<XT, float>)
       if (rows == kMR)
-        for (; k0 + 16 <= kc; k0 += 16) avx512::pack_x_8x16(x + k0, ldx, out + k0 * kMR);
+        for (; k0 + 16 <= kc; k0 += 16) avx512::pack_x_8x16(x + k0, ldx * 4, out + k0 * kMR);
     pack_x_panel<kMR>(x + k0, ldx, rows, kc - k0, w_k(kc) - k0, out + k0 * kMR);
   }
   static void product(const float* x, const float* w, int64_t panel_stride, int64_t kc, int np, float* tile) {
@@ -446,7 +446,10 @@ struct Avx512DotTile : TileShape<avx512::kMR, 2> {
   static int64_t x_panel_elems(int64_t kc) { return kMR * w_k(kc) / 2; }
   static void pack_x(const uint16_t* x, int64_t ldx, int64_t rows, int64_t kc, float* out) {
     uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
-    for (int64_t kp = 0; kp < w_k(kc) / 2; ++kp)
+    int64_t kp0 = 0;  // whole 8-row panels 16 pairs at a time through pack_x_8x16
+    if (rows == kMR)
+      for (; 2 * kp0 + 32 <= kc; kp0 += 16) avx512::pack_x_8x16(x + 2 * kp0, ldx * 2, pairs + kp0 * kMR);
+    for (int64_t kp = kp0; kp < w_k(kc) / 2; ++kp)
       for (int64_t r = 0; r < kMR; ++r) {
         const uint16_t* xr = x + r * ldx + 2 * kp;
         const uint32_t lo = r < rows && 2 * kp < kc ? xr[0] : 0, hi = r < rows && 2 * kp + 1 < kc ? xr[1] : 0;

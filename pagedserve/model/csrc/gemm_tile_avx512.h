@@ -184,20 +184,23 @@ inline void tile_product_vnni(const uint32_t* x, const int8_t* w, int64_t panel_
     tile_product_vnni_np<1>(x, w, panel_stride, kc, tile);
 }
 
-// Packs float32 x for the tile above: out[k * 8 + r] = row r's k-th value, for 8 rows of 16
-// values (row r at src + r × ld). Value by value (pack_x_panel) GCC's code stored each float on its
-// own; `perf record` on W2 (small model, float32) put ~3 % of the run there. Here 8 loads, 16
-// unpacks and 32 16-byte stores move the 128 values.
-__attribute__((target("avx512f"))) inline void pack_x_8x16(const float* src, int64_t ld, float* out) {
+// Packs x for the tiles above: out[k * 8 + r] = row r's k-th 32-bit word, for 8 rows of 16 words
+// (row r at src + r × ld_bytes): float32 x values, or the bfloat16 pairs of the vdpbf16ps tile.
+// Word by word (pack_x_panel, Avx512DotTile::pack_x) GCC's code moved each word on its own;
+// `perf record` put ~3 % of small float32 W2 and ~2 % of bfloat16 W1 there. Here 8 loads, 16
+// unpacks and 32 16-byte stores move the 128 words.
+__attribute__((target("avx512f"))) inline void pack_x_8x16(const void* src_words, int64_t ld_bytes, void* out_words) {
+  const char* src = static_cast<const char*>(src_words);
+  float* out = static_cast<float*>(out_words);
   __m512 t[8], u[8];
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {  // t[2i] lane L: values 4L, 4L + 1 of rows 2i, 2i + 1 interleaved; t[2i + 1]: 4L + 2, 4L + 3
-    const __m512 a = _mm512_loadu_ps(src + 2 * i * ld), b = _mm512_loadu_ps(src + (2 * i + 1) * ld);
+  for (int i = 0; i < 4; ++i) {  // t[2i] lane L: words 4L, 4L + 1 of rows 2i, 2i + 1 interleaved; t[2i + 1]: 4L + 2, 4L + 3
+    const __m512 a = _mm512_loadu_ps(src + 2 * i * ld_bytes), b = _mm512_loadu_ps(src + (2 * i + 1) * ld_bytes);
     t[2 * i] = _mm512_unpacklo_ps(a, b);
     t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
   }
 #pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {  // u[4h + a] lane L: value 4L + a of rows 4h .. 4h + 3
+  for (int h = 0; h < 2; ++h) {  // u[4h + a] lane L: word 4L + a of rows 4h .. 4h + 3
     const __m512d t0 = _mm512_castps_pd(t[4 * h]), t1 = _mm512_castps_pd(t[4 * h + 1]);
     const __m512d t2 = _mm512_castps_pd(t[4 * h + 2]), t3 = _mm512_castps_pd(t[4 * h + 3]);
     u[4 * h + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
@@ -207,7 +210,7 @@ __attribute__((target("avx512f"))) inline void pack_x_8x16(const float* src, int
   }
 #pragma GCC unroll 4
   for (int a = 0; a < 4; ++a) {
-    // 128-bit lane L of u[a] holds rows 0-3 of value 4L + a, of u[4 + a] rows 4-7
+    // 128-bit lane L of u[a] holds rows 0-3 of word 4L + a, of u[4 + a] rows 4-7
     _mm_storeu_ps(out + a * kMR, _mm512_castps512_ps128(u[a]));
     _mm_storeu_ps(out + a * kMR + 4, _mm512_castps512_ps128(u[4 + a]));
     _mm_storeu_ps(out + (4 + a) * kMR, _mm512_extractf32x4_ps(u[a], 1));
