@@ -311,7 +311,7 @@ void store_tile_silu_mul(const float* tile, int64_t ld_tile, OT* out, int64_t ld
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o + ldo), _mm256_extracti128_si256(packed, 1));
       } else {
         _mm256_storeu_ps(o, _mm512_castps512_ps256(v));
-        _mm256_storeu_ps(o + ldo, _mm512_extractf32x8_ps(v, 1));
+        _mm256_storeu_ps(o + ldo, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));  // (AVX512F only)
       }
     }
 #endif
