@@ -212,8 +212,9 @@ inline __m256i first_lanes(int64_t n) {
 }
 
 // out[rows][cols] (row stride ldo) = tile (row stride ld_tile) (+ out, when accumulating a later k
-// block) (+ bias, on the first k block); rows and cols cut the tile at the matrix edges. Eight
-// columns at a time, the last chunk masked.
+// block) (+ bias, on the first k block); rows and cols cut the tile at the matrix edges. Whole
+// 16-column panels on zmm where the build has AVX-512 (tile rows 64-byte aligned: both tiles' are),
+// then eight columns at a time, the last chunk masked.
 void store_tile(const float* tile, int64_t ld_tile, float* out, int64_t ldo, int64_t rows, int64_t cols,
                 const float* bias, bool accumulate) {
   int64_t c = 0;
