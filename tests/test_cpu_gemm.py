@@ -71,6 +71,31 @@ def test_linear_matches_torch(threads, tile, m, k, n):
     assert torch.allclose(cpu_gemm.linear(x, packed, b), F.linear(x, w, b), **tol)
 
 
+# N of at least 256 columns per thread: with 2 threads each packs its own copy of the x block
+# (float32 weights at any row count, bfloat16 weights from 512-row blocks), with 1 the one copy.
+# Which thread computes an output does not change its sums, so both give the same bits, across
+# 512-row blocks and (float32, K = 2300) k blocks.
+@pytest.mark.parametrize("m", [9, 300, 1031])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_private_x_blocks_give_the_same_bits_as_one_thread(tile, dtype, m):
+    g = torch.Generator().manual_seed(m)
+    k, n = 2300, 520
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    packed = cpu_gemm.pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemm.linear(x, packed)
+        torch.set_num_threads(2)
+        two = cpu_gemm.linear(x, packed)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    exact = _float32_sums(x.float(), w.float())
+    assert ((one.double() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-4 * k ** 0.5).all()
+
+
 def _float32_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     out = x.double() @ w.double().T
     return out + b.double() if b is not None else out
