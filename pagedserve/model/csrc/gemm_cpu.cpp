@@ -12,8 +12,8 @@
 //   - The micro-kernel keeps a 6 × 16 tile of out in 12 ymm registers and adds, per k, the outer
 //     product of 6 broadcast x values and the two W vectors: 12 FMAs for 8 loads. It is written
 //     in inline assembly because GCC spills one of the 12 accumulators when it allocates them.
-//   - Threads take the panels of W a few at a time (each panel is read by one thread) and share
-//     the packed x block.
+//   - Threads take the panels of W a few at a time (each panel is read by one thread); they share
+//     the packed x block, or each packs its own copy where that measured faster (gemm_tiles).
 //   - On CPUs with AVX-512 the driver runs an 8-row × 48-column zmm tile instead, over the same
 //     packed W (gemm_tile_avx512.h): the ymm tile uses half of each FMA unit there.
 // Sums run over k in order within a kc block, then block by block: float32 throughout.
