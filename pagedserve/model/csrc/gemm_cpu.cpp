@@ -554,11 +554,15 @@ void gemm_tiles(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_pack
   // leaves the other waiting for it. Rows are sliced when there are too few groups for the last
   // items to end close together (o_proj of the small model: 11 groups for 2 threads, one thread
   // doing 6 while the other waits after 5); each slice then re-reads its group's W slice from
-  // cache. At least 32 items per thread: with 8, the medium model's float32 linears at 1024 rows
-  // (43 groups for qkv, 22 for o) ran 1.03-1.08x slower, waiting at each k block's end.
+  // cache. Float32 weights slice down to 32 items per thread: with 8, the medium model's float32
+  // linears at 1024 rows (43 groups for qkv, 22 for o) ran 1.03-1.08x slower, waiting at each k
+  // block's end. bfloat16 tiles stay at 8: their items are half as long, and at 128-256 rows the
+  // extra slices cost 1-3 % (qkv, o, down of the small model).
+  const int64_t per_thread = sizeof(WT) == sizeof(float) ? 32 : 8;
   const int64_t max_row_panels = (row_block + MR - 1) / MR;
-  const int64_t row_slices =
-      groups >= 32 * threads ? 1 : std::min(max_row_panels, (32 * threads + groups - 1) / groups);
+  const int64_t row_slices = groups >= per_thread * threads
+                                 ? 1
+                                 : std::min(max_row_panels, (per_thread * threads + groups - 1) / groups);
   const int64_t items = groups * row_slices;
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(8, items / (8 * threads)));
 #pragma omp parallel num_threads(threads)
