@@ -556,8 +556,8 @@ void gemm_tiles(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_pack
   // doing 6 while the other waits after 5); each slice then re-reads its group's W slice from
   // cache. Float32 weights slice down to 32 items per thread: with 8, the medium model's float32
   // linears at 1024 rows (43 groups for qkv, 22 for o) ran 1.03-1.08x slower, waiting at each k
-  // block's end. bfloat16 tiles stay at 8: their items are half as long, and at 128-256 rows the
-  // extra slices cost 1-3 % (qkv, o, down of the small model).
+  // block's end. Other weights (bfloat16, the int8 screen's) stay at 8: bfloat16 items are half
+  // as long, and at 128-256 rows the extra slices cost 1-3 % (qkv, o, down of the small model).
   const int64_t per_thread = sizeof(WT) == sizeof(float) ? 32 : 8;
   const int64_t max_row_panels = (row_block + MR - 1) / MR;
   const int64_t row_slices = groups >= per_thread * threads
@@ -573,14 +573,15 @@ void gemm_tiles(const XT* x, int64_t ldx, int64_t m, int64_t k, const WT* w_pack
       const int64_t rows = std::min(row_block, m - r0), row_panels = (rows + MR - 1) / MR;
       for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, k - k0), x_panel = Tile::x_panel_elems(kc);
+        auto pack = [&](int64_t i) {
+          Tile::pack_x(x + (r0 + i * MR) * ldx + k0, ldx, std::min(MR, rows - i * MR), kc, xp + i * x_panel);
+        };
         if (private_x) {
-          for (int64_t i = 0; i < row_panels; ++i)
-            Tile::pack_x(x + (r0 + i * MR) * ldx + k0, ldx, std::min(MR, rows - i * MR), kc, xp + i * x_panel);
+          for (int64_t i = 0; i < row_panels; ++i) pack(i);
         } else {
           // (the panel loop's implicit barrier: every thread is done with the previous block of xp)
 #pragma omp for schedule(static)
-          for (int64_t i = 0; i < row_panels; ++i)
-            Tile::pack_x(x + (r0 + i * MR) * ldx + k0, ldx, std::min(MR, rows - i * MR), kc, xp + i * x_panel);
+          for (int64_t i = 0; i < row_panels; ++i) pack(i);
         }
         const int64_t per_slice = (row_panels + row_slices - 1) / row_slices;
 #pragma omp for schedule(dynamic, chunk)
