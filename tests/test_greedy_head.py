@@ -237,3 +237,34 @@ def test_auto_mode_gives_way_when_the_screen_keeps_too_many():
     owner.greedy_head, calm.owner, calm.next_kinds = calm, owner, ["bf16"]
     calm.argmax(torch.randn(greedy_head.REVIEW_ROWS, k))
     assert owner.greedy_head is calm and calm.next_kinds is None
+
+
+@pytest.mark.skipif(not _INT8, reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_screen_keeps_a_winner_its_quantisation_undervalues(threads):
+    """A token whose int8 screen value falls short of another's lower bound, yet wins in float32.
+
+    Token B (column 0) is exact in int8, so its bound is nearly 0. Token A (column 300, a later
+    tile) rounds down by 0.49 of its step in every coordinate, against an all-ones row that
+    quantises exactly: its screen value is ~31σ under its logit, as much as its bound allows, and
+    ~18σ under B's lower bound, while its logit is ~13σ over B's. Every test of A's tile must use
+    A's own bound (or one above it): a tile test that used the screen values alone would skip A."""
+    n, k, sigma = 1000, 64, 1e-3
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(9)) * 1e-4
+    w[300] = 100.49 * sigma
+    w[300, 0] = 127 * sigma  # max |w| sets A's step to σ; the others round down to 100
+    w[0] = (127 * sigma + 63 * 100.49 * sigma - 13 * sigma) / k  # B: one value, exact in int8
+    lin = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    head = cpu_gemm.NativeLinear(lin)
+    x = torch.ones(4, k)
+    logits = head(x)
+    assert cpu_fused.argmax(logits).tolist() == [300] * 4 and logits[0, 300] - logits[0, 0] > 10 * sigma
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        screened = greedy_head.ScreenedGreedyHead(head, "int8")
+        assert screened.argmax(x).tolist() == [300] * 4
+    finally:
+        torch.set_num_threads(saved)

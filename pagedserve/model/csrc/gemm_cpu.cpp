@@ -1103,41 +1103,14 @@ int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_
   uint8_t* q = xq.data();
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t r = 0; r < m; ++r) {
-    const float* h = x + r * ldx;
-    float amax = 0.f;
-    double h2 = 0;
-    bool finite = true;
-    for (int64_t i = 0; i < k; ++i) {
-      finite = finite && std::isfinite(h[i]);
-      amax = std::max(amax, std::fabs(h[i]));
-      h2 += static_cast<double>(h[i]) * h[i];
-    }
-    if (!finite) {
+    const greedy_screen::RowQuant rq = greedy_screen::quantise_row_int8(x + r * ldx, k, q + r * k);
+    if (!rq.finite) {
       bad[r] = 1;
       std::fill(q + r * k, q + (r + 1) * k, 128);
       continue;
     }
-    // the clipping level (of max |h|, or of a multiple of the rms) with the smallest ‖h − sx·q‖₂
-    const float rms = static_cast<float>(std::sqrt(h2 / std::max<int64_t>(k, 1)));
-    const float levels[] = {amax, 4.f * rms, 3.f * rms, 2.5f * rms};
-    float sx = 1.f;
-    double e2 = INFINITY;
-    for (const float level : levels) {
-      const float scale = std::min(level, amax) > 0.f ? std::min(level, amax) / 127.f : 1.f;
-      double err = 0;
-      for (int64_t i = 0; i < k; ++i) {
-        const float qi = std::min(127.f, std::max(-127.f, std::nearbyint(h[i] / scale)));
-        const double e = static_cast<double>(h[i]) - static_cast<double>(scale) * qi;
-        err += e * e;
-      }
-      if (err < e2) e2 = err, sx = scale;
-    }
-    double q2 = 0;
-    for (int64_t i = 0; i < k; ++i) {
-      const float qi = std::min(127.f, std::max(-127.f, std::nearbyint(h[i] / sx)));
-      q[r * k + i] = static_cast<uint8_t>(static_cast<int>(qi) + 128);
-      q2 += static_cast<double>(qi) * qi;
-    }
+    const float sx = rq.sx;
+    const double e2 = rq.e2, h2 = rq.h2, q2 = rq.q2;
     // |h·w − h'·w'| ≤ ‖h'‖·‖f‖ + ‖e‖·‖w‖, h' = sx·q and e = h − h'; the float32 sums add g·‖h‖·‖w‖;
     // in the screen's units (÷ sx), with 1 % on top, rounded up
     a[r] = std::nextafter(static_cast<float>(1.01 * std::sqrt(q2)), INFINITY);
