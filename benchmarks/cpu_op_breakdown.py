@@ -49,6 +49,9 @@ def main() -> None:
     p.add_argument("--workload", default="W1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=None)
+    # the sittings' size (compare_vllm_cpu.sh, KVCACHE_GIB): the engine's default 4 GiB holds only
+    # ~170 of W1's 256 sequences of the medium model in float32, so its batches would be smaller
+    p.add_argument("--kv-cache-space", type=float, default=6.0, help="GiB of KV cache (default: %(default)s)")
     args = p.parse_args()
 
     from pagedserve import LLM, SamplingParams
@@ -89,7 +92,7 @@ def main() -> None:
     timed(llama.LlamaForCausalLM, "compute_logits", "LM head (logits)", totals, calls)
 
     wl = make_workload(args.workload, args.num_prompts)
-    llm = LLM(model=str(bench_model_dir(args.model)), dtype=args.dtype)
+    llm = LLM(model=str(bench_model_dir(args.model)), dtype=args.dtype, kv_cache_space=args.kv_cache_space)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in wl.output_lens]
     prompts = [{"prompt_token_ids": ids} for ids in wl.prompts]
     llm.llm_engine.kv_cache.wait_resident()  # the pool's pages faulted in first, as `bench throughput` does
