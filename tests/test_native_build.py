@@ -48,3 +48,26 @@ def test_turned_off_kernels_are_not_built(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "started 0" in out.stdout
     assert not list(tmp_path.glob("kernels/*/*.so"))
+
+
+def test_every_library_compiles_for_the_other_instruction_set_family(tmp_path):
+    """CI hosts differ (AVX-512 on some, AVX2 only on others) and the kernels are built with
+    -march=native, so a guard missing around AVX-512 code breaks only the hosts without it. Compile
+    each library for the family this host is not (code generation only, nothing is run)."""
+    import shutil
+
+    import pytest
+
+    from pagedserve.model import native_build
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ on this machine")
+    with open("/proc/cpuinfo") as f:
+        has_avx512 = " avx512f" in f.read()
+    other = "haswell" if has_avx512 else "sapphirerapids"
+    for lib in native_build._declare_cpu_libraries():
+        flags = [f if f != "-march=native" else f"-march={other}" for f in lib.flags]
+        out = subprocess.run([cxx, *flags, "-O1", str(lib.src), "-o", str(tmp_path / lib.lib_name)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, f"{lib.lib_name} for -march={other}:\n{out.stderr[-3000:]}"

@@ -180,20 +180,30 @@ struct RowQuant {
   bool finite = true;
 };
 
+// The quantiser's helpers are free functions, not lambdas: a lambda does not inherit its enclosing
+// function's target attribute, so on a CPU without AVX-512 (where -march=native does not enable it
+// for the whole file) its intrinsics would fail to inline and the library would not build.
+__attribute__((target("avx512f"))) inline __mmask16 row_tail_mask(int64_t k, int64_t i) {
+  return k - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (k - i)) - 1);
+}
+
+__attribute__((target("avx512f"))) inline void widen_halves(__m512 v, __m512d* lo, __m512d* hi) {
+  *lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+  *hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+__attribute__((target("avx512f"))) inline __m512 quantised_lanes(__m512 v, __m512 scale) {
+  const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f), r));
+}
+
 __attribute__((target("avx512f"))) inline RowQuant quantise_row_int8(const float* h, int64_t k, uint8_t* q) {
   RowQuant out;
-  const auto tail = [k](int64_t i) {
-    return k - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (k - i)) - 1);
-  };
-  const auto halves = [](__m512 v, __m512d* lo, __m512d* hi) {
-    *lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-    *hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
   __m512 amax = _mm512_setzero_ps();
   __m512d h2_lo = _mm512_setzero_pd(), h2_hi = _mm512_setzero_pd();
   const __m512 inf = _mm512_set1_ps(INFINITY);
   for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 m = tail(i);
+    const __mmask16 m = row_tail_mask(k, i);
     const __m512 v = _mm512_maskz_loadu_ps(m, h + i), av = _mm512_abs_ps(v);
     if (_mm512_mask_cmp_ps_mask(m, av, inf, _CMP_LT_OQ) != m) {  // a NaN or an infinity
       out.finite = false;
@@ -201,16 +211,12 @@ __attribute__((target("avx512f"))) inline RowQuant quantise_row_int8(const float
     }
     amax = _mm512_max_ps(amax, av);
     __m512d lo, hi;
-    halves(v, &lo, &hi);
+    widen_halves(v, &lo, &hi);
     h2_lo = _mm512_fmadd_pd(lo, lo, h2_lo);
     h2_hi = _mm512_fmadd_pd(hi, hi, h2_hi);
   }
   const float hmax = _mm512_reduce_max_ps(amax);
   out.h2 = _mm512_reduce_add_pd(_mm512_add_pd(h2_lo, h2_hi));
-  const auto quantised = [](__m512 v, __m512 scale) {
-    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f), r));
-  };
   const float rms = static_cast<float>(std::sqrt(out.h2 / std::max<int64_t>(k, 1)));
   const float levels[] = {hmax, 4.f * rms, 3.f * rms, 2.5f * rms};
   out.e2 = INFINITY;
@@ -220,10 +226,10 @@ __attribute__((target("avx512f"))) inline RowQuant quantise_row_int8(const float
     const __m512d ds = _mm512_set1_pd(scale);
     __m512d e_lo = _mm512_setzero_pd(), e_hi = _mm512_setzero_pd();
     for (int64_t i = 0; i < k; i += 16) {
-      const __m512 v = _mm512_maskz_loadu_ps(tail(i), h + i), qi = quantised(v, vs);
+      const __m512 v = _mm512_maskz_loadu_ps(row_tail_mask(k, i), h + i), qi = quantised_lanes(v, vs);
       __m512d v_lo, v_hi, q_lo, q_hi;
-      halves(v, &v_lo, &v_hi);
-      halves(qi, &q_lo, &q_hi);
+      widen_halves(v, &v_lo, &v_hi);
+      widen_halves(qi, &q_lo, &q_hi);
       const __m512d d_lo = _mm512_fnmadd_pd(ds, q_lo, v_lo), d_hi = _mm512_fnmadd_pd(ds, q_hi, v_hi);
       e_lo = _mm512_fmadd_pd(d_lo, d_lo, e_lo);
       e_hi = _mm512_fmadd_pd(d_hi, d_hi, e_hi);
@@ -234,8 +240,8 @@ __attribute__((target("avx512f"))) inline RowQuant quantise_row_int8(const float
   const __m512 vs = _mm512_set1_ps(out.sx);
   __m512i q2 = _mm512_setzero_si512();  // Σ q² ≤ k · 127²: exact in int32 for k below 130,000
   for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 m = tail(i);
-    const __m512i qi = _mm512_cvtps_epi32(quantised(_mm512_maskz_loadu_ps(m, h + i), vs));
+    const __mmask16 m = row_tail_mask(k, i);
+    const __m512i qi = _mm512_cvtps_epi32(quantised_lanes(_mm512_maskz_loadu_ps(m, h + i), vs));
     q2 = _mm512_add_epi32(q2, _mm512_mullo_epi32(qi, qi));
     _mm512_mask_cvtepi32_storeu_epi8(q + i, m, _mm512_add_epi32(qi, _mm512_set1_epi32(128)));
   }
