@@ -439,12 +439,15 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.config = EngineConfig(model="fake-model", max_model_len=64, served_model_name="fake")
         self.spec = SimpleNamespace(vocab_size=len(tokenizer))
+        from pagedserve.validation import RequestValidator
+
+        self.validator = RequestValidator(max_model_len=64, vocab_size=len(tokenizer))
         self.first_delay, self.step_s = first_delay, step_s
         self.tok = tokenizer.encode("a", add_special_tokens=False)[0]
         self.reqs: dict = {}
 
     def add_request(self, request_id, prompt=None, params=None, prompt_token_ids=None, arrival_time=None):
-        params.validate()
+        self.validator.validate(prompt_token_ids, params)
         self.reqs[request_id] = dict(ids=prompt_token_ids, params=params, out=[], t0=time.time())
 
     def abort_request(self, request_id):

@@ -19,6 +19,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.runner.kv_cache import GiB, KVCache, bytes_per_block, check_fits, num_blocks_for_budget
 from pagedserve.runner.model_runner import ModelRunner
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.validation import RequestValidator
 
 log = logging.getLogger("pagedserve")
 
@@ -54,7 +55,6 @@ class LLMEngine:
                             tokenizer=config.tokenizer, revision=config.revision)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
-        self.eos_ids = loaded.generation_eos_ids
         config.resolve(model_max_len=self.spec.max_position_embeddings, sliding_window=self.spec.sliding_window)
         self.dtype = next(loaded.model.parameters()).dtype
         if self.device.type == "cpu" and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
@@ -69,6 +69,8 @@ class LLMEngine:
                 log.info("%s", screen)
         if config.served_model_name is None:
             config.served_model_name = config.model
+        self.validator = RequestValidator.for_engine(config, self.spec.vocab_size, self.tokenizer,
+                                                     loaded.generation_eos_ids)
         num_blocks = self._num_kv_blocks(loaded.model)
         check_fits(config, num_blocks)
         self.kv_cache = KVCache(self.spec, num_blocks, config.block_size, self.dtype, self.device)
@@ -157,49 +159,33 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; InvalidRequestError (pagedserve/validation.py) if it cannot be served as given."""
         params = params or SamplingParams()
-        cfg = self.config
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if prompt_token_ids is None:
-            if prompt is None or (isinstance(prompt, str) and not prompt):
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            if not isinstance(prompt, str):
-                raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+            self.validator.check_prompt_text(prompt)
             prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = list(prompt_token_ids)
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        vocab = self.spec.vocab_size
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < vocab):
-                raise InvalidRequestError(f"token id {t!r} is out of vocabulary range [0, {vocab})", "prompt")
-        params.validate(cfg.max_logprobs)
-        n_prompt = len(prompt_token_ids)
-        if n_prompt >= cfg.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens, but the prompt has {n_prompt} "
-                "tokens; shorten the prompt", "prompt")
-        if params.max_tokens is None:
-            params.max_tokens = cfg.max_model_len - n_prompt
-        if n_prompt + params.max_tokens > cfg.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
-                f"{n_prompt + params.max_tokens} tokens ({n_prompt} in the prompt, {params.max_tokens} for the "
-                "completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        checked = self.validator.validate(prompt_token_ids, params)
         # (the pool holds at least one max_model_len sequence: check_fits at start-up)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.eos_ids)
-        params._all_stop_token_ids = stop_ids
-        req = Request(request_id, prompt, prompt_token_ids, params,
-                      arrival_time=arrival_time if arrival_time is not None else time.time())
+        req = Request(request_id, prompt, checked.prompt_token_ids, params,
+                      arrival_time=arrival_time if arrival_time is not None else time.time(),
+                      stop_token_ids=checked.stop_token_ids)
         for seq in req.seqs:
             if params.detokenize:
-                seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
-                                                   params.skip_special_tokens)
+                seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
+                                                   params.include_stop_str_in_output, params.skip_special_tokens)
             self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The ids that end generation unless a request sets ignore_eos (held by the validator)."""
+        return sorted(self.validator.eos_ids)
+
+    @eos_ids.setter
+    def eos_ids(self, ids) -> None:
+        self.validator.eos_ids = frozenset(ids)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -273,7 +259,7 @@ class LLMEngine:
             seq.cumulative_logprob += tok.logprob
         n_out = seq.num_output_tokens
         can_stop = n_out >= p.min_tokens
-        if tok.token_id in p._all_stop_token_ids and can_stop:
+        if tok.token_id in seq.request.stop_token_ids and can_stop:
             seq.stop_reason = tok.token_id if tok.token_id in p.stop_token_ids else None
             self._finish(seq, "stop")
             return

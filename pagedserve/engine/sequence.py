@@ -97,6 +97,7 @@ class Request:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = None  # filled while the prompt is computed, if asked
     lora_key: object = None  # extra key for prefix-cache hashes (adapter id later)
+    stop_token_ids: frozenset = frozenset()  # params.stop_token_ids plus EOS unless ignore_eos
 
     def __post_init__(self):
         self.metrics = RequestMetrics(arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids))

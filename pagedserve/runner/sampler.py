@@ -53,7 +53,7 @@ class SamplingBatch:
         self.min_token_masks = []
         for i, (s, p) in enumerate(zip(seqs, ps)):
             if p.min_tokens and s.num_output_tokens < p.min_tokens:
-                ids = p._all_stop_token_ids  # stop ids plus EOS unless ignore_eos
+                ids = s.request.stop_token_ids  # stop ids plus EOS unless ignore_eos
                 if ids:
                     self.min_token_masks.append((i, sorted(ids)))
         # nothing but the argmax reads the logits: the LM head's own dtype will do (Sampler.__call__)

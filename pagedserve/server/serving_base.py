@@ -26,6 +26,7 @@ from pagedserve.engine.request_stream import (
 )
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.validation import check_token_ids
 from pagedserve.server.protocol import (
     APIError,
     ChatLogprobToken,
@@ -211,38 +212,25 @@ class OpenAIServing:
             return
         raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
 
-    def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
-        if not ids:
-            raise APIError("The prompt must not be empty.", 400, param=param)
-        vocab = self.ctx.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not (0 <= t < vocab):
-                raise APIError(f"Token id {t!r} is out of vocabulary range [0, {vocab}).", 400, param=param)
+    @property
+    def validator(self):
+        """The engine's RequestValidator (pagedserve/validation.py): the one place a request is checked;
+        the engine runs it on every request, the server only adds the text bound before tokenizing."""
+        return self.engine.engine.validator
 
-    def resolve_max_tokens(self, requested: int | None, n_prompt: int, param: str = "max_tokens") -> int:
-        L = self.ctx.max_model_len
-        if n_prompt >= L:
-            raise APIError(
-                f"This model's maximum context length is {L} tokens, but the prompt has {n_prompt} tokens. "
-                "Please shorten the prompt.", 400, param="prompt")
-        if requested is None:
-            return L - n_prompt
-        if requested < 1:
-            raise APIError(f"{param} must be at least 1, got {requested}.", 400, param=param)
-        if n_prompt + requested > L:
-            raise APIError(
-                f"This model's maximum context length is {L} tokens. However, you requested "
-                f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the completion). "
-                f"Please reduce the length of the prompt or {param}.", 400, param=param)
-        return requested
+    def encode_prompt(self, text, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Tokenize a request's text once the validator has ruled out a text too long to ever fit."""
+        self.validator.check_prompt_text(text, param, allow_empty=True)
+        return self.encode(text, add_special_tokens)
 
-    def sampling_params(self, req, *, max_tokens: int, logprobs: int | None,
+    def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's sampling fields as SamplingParams; the engine validates them."""
         if req.logit_bias:
             raise APIError("logit_bias is not supported yet.", 400, param="logit_bias")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of is not supported (use n).", 400, param="best_of")
-        params = SamplingParams(
+        return SamplingParams(
             n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -263,24 +251,12 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
-        if req.top_k is not None and req.top_k < -1:
-            raise APIError(f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}.", 400, param="top_k")
-        if req.seed is not None and not (-(2**63) <= req.seed < 2**64):
-            # torch generators take 64-bit seeds; a larger one would fail inside the engine step
-            raise APIError(f"seed must fit in 64 bits, got {req.seed}.", 400, param="seed")
-        if params.n > 128:
-            raise APIError(f"n must be at most 128, got {params.n}.", 400, param="n")
-        try:
-            params.validate(self.ctx.max_logprobs)
-        except InvalidRequestError as e:
-            raise APIError(str(e), 400, param=e.param) from None
-        if params.stop_token_ids:
-            self.check_prompt_ids(params.stop_token_ids, param="stop_token_ids")
-        return params
 
     # -- engine submission ---------------------------------------------------------------------
     async def submit(self, request_ids: list[str], prompts: list[tuple[str | None, list[int]]],
-                     params: list[SamplingParams]) -> list:
+                     params: list[SamplingParams], max_tokens_param: str = "max_tokens") -> list:
+        """Queue the requests (all or none); the engine's InvalidRequestError becomes a 400 naming the
+        field as the client sent it (`max_completion_tokens` for chat, when given)."""
         try:
             self.engine.check_admission(len(prompts), sum(len(ids) for _, ids in prompts))
         except Exception as e:  # noqa: BLE001
@@ -299,7 +275,10 @@ class OpenAIServing:
             for e in errors:
                 if isinstance(e, asyncio.CancelledError):
                     raise e
-            raise engine_error_to_api(errors[0], self.ctx.metrics) from None
+            err = engine_error_to_api(errors[0], self.ctx.metrics)
+            if err.param == "max_tokens" and max_tokens_param != "max_tokens":
+                err.param, err.message = max_tokens_param, err.message.replace("max_tokens", max_tokens_param)
+            raise err from None
         return list(results)
 
     def abort_all(self, request_ids: list[str]) -> None:
@@ -426,9 +405,9 @@ class OpenAIServing:
             text = self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                     continue_final_message=req.continue_final_message,
                                     chat_template_kwargs=req.chat_template_kwargs)
-            ids = self.encode(text, bool(req.add_special_tokens))
+            ids = self.encode_prompt(text, bool(req.add_special_tokens), "messages")
         else:
-            ids = self.encode(req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
+            ids = self.encode_prompt(req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": self.ctx.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
@@ -437,7 +416,7 @@ class OpenAIServing:
     async def detokenize(self, req: DetokenizeRequest) -> dict:
         self.check_model(req.model)
         if req.tokens:
-            self.check_prompt_ids(req.tokens, param="tokens")
+            check_token_ids(req.tokens, self.validator.vocab_size, "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
 

@@ -58,12 +58,11 @@ class OpenAIServingChat(OpenAIServing):
         text = self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
                                 chat_template_kwargs=req.chat_template_kwargs)
-        ids = self.encode(text, req.add_special_tokens)
-        self.check_prompt_ids(ids, param="messages")
+        ids = self.encode_prompt(text, req.add_special_tokens, "messages")
         if req.max_completion_tokens is not None:
-            max_tokens = self.resolve_max_tokens(req.max_completion_tokens, len(ids), "max_completion_tokens")
+            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
-            max_tokens = self.resolve_max_tokens(req.max_tokens, len(ids))
+            max_tokens, max_param = req.max_tokens, "max_tokens"
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs to be true.", 400, param="top_logprobs")
         if req.top_logprobs is not None and not (0 <= req.top_logprobs <= self.ctx.max_logprobs):
@@ -73,10 +72,10 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=num_lp)
         rid = random_id("chatcmpl")
         if req.stream:
-            streams = await self.submit([rid], [(text, ids)], [params])
+            streams = await self.submit([rid], [(text, ids)], [params], max_tokens_param=max_param)
             return SSEResponse(self._stream(req, rid, streams[0], len(ids)), on_close=lambda: self.engine.abort(rid))
         try:
-            body = await run_until_disconnect(raw, self._full(req, rid, text, ids, params))
+            body = await run_until_disconnect(raw, self._full(req, rid, text, ids, params, max_param))
         except ClientDisconnected:
             return Response(status_code=499)
         return JSONResponse(body)
@@ -97,8 +96,8 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return ChatLogprobs(content=self.chat_logprobs(list(token_ids), list(lps or []), req.top_logprobs or 0))
 
-    async def _full(self, req, rid, text, ids, params) -> dict:
-        streams = await self.submit([rid], [(text, ids)], [params])
+    async def _full(self, req, rid, text, ids, params, max_param: str) -> dict:
+        streams = await self.submit([rid], [(text, ids)], [params], max_tokens_param=max_param)
         final = None
         try:
             async for item in merge_streams(streams, None):

@@ -50,12 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = req.logprobs
         else:
             prompt_logprobs = req.prompt_logprobs
-        params = []
-        for _, ids in prompts:
-            self.check_prompt_ids(ids)
-            max_tokens = self.resolve_max_tokens(req.max_tokens, len(ids))
-            params.append(self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                               prompt_logprobs=prompt_logprobs))
+        params = [self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                                       prompt_logprobs=prompt_logprobs) for _ in prompts]
         base = random_id("cmpl")
         rids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
         if req.stream:
@@ -77,12 +73,13 @@ class OpenAIServingCompletion(OpenAIServing):
             items = [list(p)]
         else:
             items = list(p)
+        self.validator.check_num_prompts(len(items))
         out = []
         for it in items:
             if isinstance(it, str):
                 if not it:
                     raise APIError("The prompt must not be empty.", 400, param="prompt")
-                out.append((it, self.encode(it, req.add_special_tokens)))
+                out.append((it, self.encode_prompt(it, req.add_special_tokens)))
             else:
                 out.append((None, list(it)))
         return out
