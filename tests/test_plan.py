@@ -242,3 +242,57 @@ def test_cli_help_and_no_torch(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pagedserve", "plan", "--model", str(d), "--gpu", "H100", "-tp", "3"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Meta-Llama-3-8B", "Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct"])
+def test_popular_model_names_plan_offline_from_the_built_in_table(capsys, name):
+    p = run_json(capsys, "--model", name, "--gpu", "H100-80GB", "--max-model-len", 8192)
+    assert "built-in table" in p["model"]["config"]
+    assert p["params"]["total"] == hand_params(4096, 32, 32, 8, 14336, 128256, tied=False)
+    assert p["kv_cache"]["bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+
+
+def test_every_built_in_config_plans(capsys):
+    from pagedserve.plan.model_source import popular_models
+
+    for name in popular_models():
+        p = run_json(capsys, "--model", name, "--gpu", "H200", "--max-model-len", 4096)
+        assert p["params"]["total"] > 1e8, name
+
+
+def test_mixtral_is_planned_as_its_dense_equivalent_with_a_note(capsys):
+    p = run_json(capsys, "--model", "Mixtral-8x7B-v0.1", "--gpu", "H100-80GB", "--tensor-parallel-size", 2,
+                 "--max-model-len", 4096)
+    assert "2 active per token" in p["model"]["config"]
+    assert 46e9 < p["params"]["total"] < 47.5e9  # Mixtral-8x7B's published 46.7 B parameters
+
+
+def test_unknown_name_is_one_line_listing_the_known_ones(capsys):
+    line = run_fail(capsys, "--model", "acme/NoSuchModel-7B", "--gpu", "H100")
+    assert "acme/NoSuchModel-7B" in line and "Meta-Llama-3-8B" in line
+
+
+def test_short_gpu_name_says_which_variant_it_took(tmp_path, capsys):
+    d = write_config(tmp_path, LLAMA3_8B)
+    p = run_json(capsys, "--model", d, "--gpu", "H100", "--max-model-len", 4096)
+    assert any(w.startswith("--gpu H100 taken as H100-80GB") and "H100-PCIe" in w for w in p["warnings"])
+    p = run_json(capsys, "--model", d, "--gpu", "H100-80GB", "--max-model-len", 4096)
+    assert not any("taken as" in w for w in p["warnings"])
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_gguf_file_is_planned_from_its_metadata(tmp_path, capsys, qtype):
+    pytest.importorskip("gguf")
+    from gguf_fixtures import write_gguf_from_hf
+    from tiny_models import make_tiny_checkpoint
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama", hidden_size=64, intermediate_size=128, num_layers=2)
+    import gguf
+
+    path = write_gguf_from_hf(hf, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType[qtype] if qtype else None)
+    from_gguf = run_json(capsys, "--model", path, "--gpu", "L4", "--max-model-len", 256)
+    from_hf = run_json(capsys, "--model", hf, "--gpu", "L4", "--max-model-len", 256)
+    assert "GGUF metadata" in from_gguf["model"]["config"]
+    for key in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+        assert from_gguf["model"][key] == from_hf["model"][key], key
+    assert from_gguf["settings"]["quantization"] == ("int8" if qtype else None)

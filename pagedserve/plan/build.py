@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 from pagedserve.plan.inputs import (_DTYPE_ALIASES, FORMULAS, GB, KNOWN_MODEL_TYPES, KV_DTYPE_BYTES, MAX_NUM_SEQS_CAP,
-                                    OVERHEAD_BYTES, PlanError, find_gpu, load_config, load_gpus, model_shape,
+                                    OVERHEAD_BYTES, PlanError, find_gpu, gpu_variant_note, load_gpus, model_shape,
                                     resolve_dtype, resolve_quantization)
+from pagedserve.plan.model_source import load_model_config
 from pagedserve.plan.memory import check_tp, core, decode_ceiling, suggest_fixes
 
 
 def build_plan(args) -> dict:
     gpus = load_gpus()
     gpu_name, gpu = find_gpu(args.gpu, gpus)
-    cfg_path, cfg = load_config(args.model)
+    cfg_path, cfg = load_model_config(args.model)
     shape = model_shape(cfg)
     warnings: list[str] = []
+    if (note := gpu_variant_note(args.gpu, gpu_name, gpus)) is not None:
+        warnings.append(note)
 
     dtype, note = resolve_dtype(_DTYPE_ALIASES.get(args.dtype, args.dtype), shape["config_dtype"])
     if note:

@@ -51,28 +51,23 @@ def _norm(name: str) -> str:
     return "".join(ch for ch in name.lower() if ch.isalnum())
 
 
+def gpu_variant_note(name: str, key: str, gpus: dict) -> str | None:
+    """A warning when a short --gpu name stood for one of several variants (H100 = H100-80GB SXM)."""
+    if _norm(name) == _norm(key):
+        return None
+    family = _norm(key.split("-")[0])
+    others = [k for k in gpus if k != key and _norm(k.split("-")[0]) == family]
+    spec = gpus[key]
+    return (f"--gpu {name} taken as {key} ({spec['memory_gb_datasheet']} GB, {spec['bandwidth_gb_s']} GB/s)"
+            + (f"; other variants: {', '.join(others)}" if others else ""))
+
+
 def find_gpu(name: str, gpus: dict) -> tuple[str, dict]:
     want = _norm(name)
     for key, spec in gpus.items():
         if want == _norm(key) or want in (_norm(a) for a in spec.get("aliases", ())):
             return key, spec
     raise PlanError(f"unknown --gpu {name!r}; known GPUs: {', '.join(gpus)}")
-
-
-def load_config(path: str) -> tuple[str, dict]:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise PlanError(f"--model {path!r}: no config.json there (give a model directory or a config.json path)")
-    try:
-        with open(p) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise PlanError(f"cannot read {p}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise PlanError(f"{p} is not a JSON object")
-    return str(p), cfg
 
 
 def model_shape(cfg: dict) -> dict:
@@ -137,7 +132,7 @@ def resolve_quantization(requested: str | None, qcfg) -> tuple[str | None, int, 
     bits = qcfg.get("bits") if isinstance(qcfg, dict) else None
     if method == "fp8":
         return "fp8", group, "quantization fp8 read from config.json quantization_config"
-    if method in ("awq", "gptq", "marlin", "compressed-tensors") and bits in (4, 8):
+    if method in ("awq", "gptq", "marlin", "compressed-tensors", "gguf") and bits in (4, 8):
         q = "int4" if bits == 4 else "int8"
         return q, group, f"quantization {q} read from config.json quantization_config ({method}, {bits}-bit)"
     raise PlanError(f"config.json has quantization_config quant_method={method or '?'} bits={bits}, which plan does not"
