@@ -1,7 +1,7 @@
 """SamplingParams: what a request asks of the sampler, with vLLM's names and defaults."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _EPS = 1e-5
 
@@ -28,6 +28,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never generate these words (each as one or more tokens)
+    # filled by the engine (resolve_bad_words)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -36,6 +41,24 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None:
             self.top_k = 0
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words: the sampler edits this row's logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self._bad_words_token_ids)
+
+    def resolve_bad_words(self, tokenizer) -> None:
+        """Each bad word as token ids, alone and after a space (a word mid-sentence is usually
+        tokenized with its leading space); the second form only when it really differs."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or []:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not plain:
+                continue
+            self._bad_words_token_ids.append(plain)
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                self._bad_words_token_ids.append(spaced)
 
     @property
     def greedy(self) -> bool:

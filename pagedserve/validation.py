@@ -37,6 +37,7 @@ class RequestLimits:
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 1024
+    max_logits_token_ids: int = 1 << 17  # logit_bias / allowed_token_ids entries (a whole vocabulary fits)
     max_prompts_per_request: int = 1024  # /v1/completions takes a list of prompts
     # A token covers at most this many times its own length in characters (Unicode normalisation
     # can fold several characters into one before the tokenizer sees them).
@@ -108,6 +109,22 @@ def check_sampling_params(params, max_logprobs: int = 20, limits: RequestLimits 
     if len(p.stop_token_ids or ()) > limits.max_stop_token_ids:
         _bad(f"at most {limits.max_stop_token_ids} stop_token_ids are allowed, got {len(p.stop_token_ids)}.",
              "stop_token_ids")
+    for v in (p.logit_bias or {}).values():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > FLOAT32_MAX:
+            _bad(f"logit_bias values must be finite 32-bit floats, got {v!r}.", "logit_bias")
+    if len(p.logit_bias or ()) > limits.max_logits_token_ids:
+        _bad(f"logit_bias may name at most {limits.max_logits_token_ids} tokens.", "logit_bias")
+    if p.allowed_token_ids is not None and not p.allowed_token_ids:
+        _bad("allowed_token_ids must not be empty.", "allowed_token_ids")
+    if len(p.allowed_token_ids or ()) > limits.max_logits_token_ids:
+        _bad(f"allowed_token_ids may name at most {limits.max_logits_token_ids} tokens.", "allowed_token_ids")
+    words = p.bad_words or []
+    if len(words) > limits.max_stop_strings:
+        _bad(f"at most {limits.max_stop_strings} bad_words are allowed, got {len(words)}.", "bad_words")
+    for w in words:
+        if not isinstance(w, str) or not w.strip() or len(w) > limits.max_stop_string_chars:
+            _bad(f"bad_words must be non-blank strings of at most {limits.max_stop_string_chars} characters.",
+                 "bad_words")
 
 
 def check_token_ids(ids, vocab_size: int, param: str = "prompt") -> None:
@@ -181,6 +198,8 @@ class RequestValidator:
                  "Please shorten the prompt.", "prompt")
         check_token_ids(ids, self.vocab_size, "prompt")
         check_token_ids(params.stop_token_ids or (), self.vocab_size, "stop_token_ids")
+        check_token_ids(params.logit_bias or (), self.vocab_size, "logit_bias")
+        check_token_ids(params.allowed_token_ids or (), self.vocab_size, "allowed_token_ids")
         if params.max_tokens is None:
             params.max_tokens = L - n_prompt
         if n_prompt + params.max_tokens > L:

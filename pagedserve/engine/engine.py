@@ -168,6 +168,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         checked = self.validator.validate(prompt_token_ids, params)
         # (the pool holds at least one max_model_len sequence: check_fits at start-up)
+        params.resolve_bad_words(self.tokenizer)
         req = Request(request_id, prompt, checked.prompt_token_ids, params,
                       arrival_time=arrival_time if arrival_time is not None else time.time(),
                       stop_token_ids=checked.stop_token_ids)
@@ -258,13 +259,15 @@ class LLMEngine:
             seq.logprobs.append(self._logprob_dict(tok))
             seq.cumulative_logprob += tok.logprob
         n_out = seq.num_output_tokens
-        can_stop = n_out >= p.min_tokens
-        if tok.token_id in seq.request.stop_token_ids and can_stop:
+        if tok.token_id in seq.request.stop_token_ids and n_out >= p.min_tokens:
             seq.stop_reason = tok.token_id if tok.token_id in p.stop_token_ids else None
-            self._finish(seq, "stop")
+            # the stop token's text is not part of the output unless asked for (as in vLLM)
+            self._finish(seq, "stop", text_upto=None if p.include_stop_str_in_output else -1)
             return
         if seq.detok is not None:
-            seq.detok.add_tokens(seq.token_ids, check_stop=can_stop)
+            # stop strings count from the token after the min_tokens-th one (vLLM's rule): text
+            # produced up to min_tokens is never searched
+            seq.detok.add_tokens(seq.token_ids, check_stop=n_out > p.min_tokens)
             if seq.detok.stopped_on is not None:
                 seq.stop_reason = seq.detok.stopped_on
                 self._finish(seq, "stop")
@@ -272,14 +275,15 @@ class LLMEngine:
         if n_out >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             self._finish(seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, text_upto: int | None = None) -> None:
+        """text_upto=-1: the last token (a stop token) adds no text."""
         if seq.status is not SequenceStatus.FINISHED:
             if reason != "abort":
                 self.scheduler.remove(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
             if seq.detok is not None and reason != "abort":
-                seq.detok.flush(seq.token_ids)
+                seq.detok.flush(seq.token_ids[:text_upto] if text_upto is not None else seq.token_ids)
             m = seq.request.metrics
             m.finished_time = time.time()
 

@@ -56,9 +56,10 @@ class SamplingBatch:
                 ids = s.request.stop_token_ids  # stop ids plus EOS unless ignore_eos
                 if ids:
                     self.min_token_masks.append((i, sorted(ids)))
+        self.processed_rows = [i for i, p in enumerate(ps) if p.has_logits_processing]
         # nothing but the argmax reads the logits: the LM head's own dtype will do (Sampler.__call__)
         self.argmax_only = (self.all_greedy and self.max_logprobs < 0 and not self.penalty_rows
-                            and not self.min_token_masks)
+                            and not self.min_token_masks and not self.processed_rows)
 
 
 class Sampler:
@@ -83,6 +84,30 @@ class Sampler:
                 row = row - p.presence_penalty * (counts > 0).float()
             logits[i] = row
 
+    @staticmethod
+    def _apply_logits_processing(logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """logit_bias, allowed_token_ids and bad_words, row by row (only rows that ask)."""
+        for i in batch.processed_rows:
+            s = batch.seqs[i]
+            p = s.params
+            row = logits[i]
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype,
+                                                    device=logits.device))
+            if p.allowed_token_ids:
+                keep = torch.full_like(row, _NEG_INF)
+                ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+                keep[ids] = row[ids]
+                row.copy_(keep)
+            if p._bad_words_token_ids:
+                out = s.output_token_ids
+                for word in p._bad_words_token_ids:
+                    # ban the word's last token when the output already ends with the rest of it
+                    k = len(word) - 1
+                    if k == 0 or (len(out) >= k and out[len(out) - k:] == word[:-1]):
+                        row[word[-1]] = _NEG_INF
+
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:
             g = torch.Generator(device="cpu")
@@ -98,6 +123,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         if batch.penalty_rows:
             self._apply_penalties(logits, batch)
+        if batch.processed_rows:
+            self._apply_logits_processing(logits, batch)
         for i, ids in batch.min_token_masks:
             logits[i, ids] = _NEG_INF
         if batch.all_greedy:

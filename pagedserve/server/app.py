@@ -51,6 +51,13 @@ def _version() -> str:
         return "unknown"
 
 
+def system_fingerprint(model: str, dtype: str) -> str:
+    """OpenAI's system_fingerprint: changes when the serving software or model configuration does."""
+    import hashlib
+
+    return "fp_" + hashlib.sha256(f"pagedserve {_version()} {model} {dtype}".encode()).hexdigest()[:10]
+
+
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template: a file path, or the Jinja template itself."""
     if value is None:
@@ -136,6 +143,7 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
         chat_template=load_chat_template(getattr(args, "chat_template", None)),
         log_requests=not getattr(args, "disable_log_requests", False),
         ping_seconds=default_ping_seconds(),
+        system_fingerprint=system_fingerprint(str(cfg.model), str(getattr(engine, "dtype", cfg.dtype))),
     )
     completions = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)

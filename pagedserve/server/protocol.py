@@ -68,6 +68,49 @@ def random_id(prefix: str) -> str:
 
 # ------------------------------------------------------------------------------------------------
 # requests
+#
+# Every request field says how it is served, in its `json_schema_extra` (also visible in /docs):
+#   supported - used as OpenAI / vLLM define it;
+#   partial   - some values used, the others a 400 (checked by the serving code; `note` says which);
+#   rejected  - accepted only at its default: anything else is a 400 naming the field (`why`).
+# reject_unsupported() enforces "rejected" for every route; docs/api.md's table is generated from
+# these marks (pagedserve/server/api_doc.py), and tests/test_api_fields.py fails when a field is
+# neither read by the serving code nor rejected.
+def supported(default: Any = None, note: str = "", **kw) -> Any:
+    return Field(default, json_schema_extra={"support": "supported", "note": note}, **kw)
+
+
+def partial(default: Any = None, note: str = "", **kw) -> Any:
+    return Field(default, json_schema_extra={"support": "partial", "note": note}, **kw)
+
+
+def rejected(default: Any = None, why: str = "", example: Any = True, **kw) -> Any:
+    """`example`: a non-default value, which the field-coverage test sends to see the 400."""
+    return Field(default, json_schema_extra={"support": "rejected", "note": why, "example": example}, **kw)
+
+
+_NO_CONSTRAINED = ("constrained decoding (structured outputs) is not supported yet")
+
+
+def field_support(model: type[BaseModel], name: str) -> dict:
+    extra = model.model_fields[name].json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def reject_unsupported(req: BaseModel) -> None:
+    """400 for any field marked `rejected` that is not at its default (reads __dict__, not the
+    attributes: the coverage test tells reads by the serving code from this check)."""
+    values = req.__dict__
+    for name, f in type(req).model_fields.items():
+        info = field_support(type(req), name)
+        if info.get("support") != "rejected":
+            continue
+        v = values.get(name)
+        if v is None or v == f.get_default(call_default_factory=True):
+            continue
+        raise APIError(f"{name} is not supported: {info.get('note')}.", 400, param=name)
+
+
 class OpenAIBaseModel(BaseModel):
     # Accept unknown fields (clients send newer OpenAI fields) but say so in the log.
     # NaN / inf (pydantic parses "nan", "inf" strings) would poison the sampler: reject them.
@@ -86,60 +129,105 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(OpenAIBaseModel):
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
-    user: str | None = None
-    max_tokens: int | None = None
+class _CommonFields(OpenAIBaseModel):
+    """Fields every generating route shares (completions, chat)."""
+    model: str | None = supported(None, "must be a served model name (404 otherwise)")
+    n: int = supported(1)
+    temperature: float | None = supported(None, "default 1.0")
+    top_p: float | None = supported(None)
+    top_k: int | None = supported(None, "0 or -1: off")
+    min_p: float | None = supported(None)
+    presence_penalty: float | None = supported(0.0)
+    frequency_penalty: float | None = supported(0.0)
+    repetition_penalty: float | None = supported(None)
+    seed: int | None = supported(None)
+    stop: str | list[str] | None = supported(None)
+    stop_token_ids: list[int] | None = supported(None)
+    include_stop_str_in_output: bool = supported(False, "also includes a stop token's text")
+    ignore_eos: bool = supported(False)
+    min_tokens: int = supported(0, "stop strings are checked from the token after the min_tokens-th")
+    skip_special_tokens: bool = supported(True)
+    spaces_between_special_tokens: bool = partial(
+        True, "true only: the tokenizer's own decoding, as vLLM with a fast tokenizer; false is a 400")
+    stream: bool | None = supported(False)
+    stream_options: StreamOptions | None = supported(None, "include_usage, continuous_usage_stats")
+    logit_bias: dict[str, float] | None = supported(None, "token id -> bias, clamped to [-100, 100]")
+    allowed_token_ids: list[int] | None = supported(None)
+    bad_words: list[str] | None = supported(None)
+    truncate_prompt_tokens: int | None = supported(None, "keep the last k prompt tokens; -1: max_model_len")
+    prompt_logprobs: int | None = supported(None, "returned as `prompt_logprobs`")
+    return_tokens_as_token_ids: bool | None = supported(None, "logprob tokens as 'token_id:N'")
+    return_token_ids: bool | None = supported(None, "adds prompt_token_ids and token_ids")
+    best_of: int | None = partial(None, "only equal to n (no candidate ranking); otherwise a 400")
+    user: str | None = supported(None, "written to the request log")
+    request_id: str | None = supported(None, "becomes the response id's suffix")
+    max_tokens: int | None = supported(None, "default: what fits in max_model_len")
+    response_format: dict[str, Any] | None = partial(None, "type 'text' only; json_object / json_schema: "
+                                                           + _NO_CONSTRAINED + ", a 400")
+    structured_outputs: dict[str, Any] | None = rejected(None, _NO_CONSTRAINED, {"json": {}})
+    guided_json: Any = rejected(None, _NO_CONSTRAINED, {"type": "object"})
+    guided_regex: str | None = rejected(None, _NO_CONSTRAINED, "a+")
+    guided_choice: list[str] | None = rejected(None, _NO_CONSTRAINED, ["a", "b"])
+    guided_grammar: str | None = rejected(None, _NO_CONSTRAINED, "root ::= \"a\"")
+    guided_decoding_backend: str | None = rejected(None, _NO_CONSTRAINED, "xgrammar")
+    guided_whitespace_pattern: str | None = rejected(None, _NO_CONSTRAINED, " ")
+    use_beam_search: bool = rejected(False, "beam search is not implemented")
+    length_penalty: float = rejected(1.0, "only used by beam search, which is not implemented", 0.5)
+    priority: int = rejected(0, "priority scheduling is not implemented (first come, first served)", 1)
+    logits_processors: list[Any] | None = rejected(None, "custom logits processors are not loadable", ["x"])
+    cache_salt: str | None = rejected(None, "per-tenant prefix-cache isolation is not implemented", "salt")
+    kv_transfer_params: dict[str, Any] | None = rejected(None, "disaggregated prefill is not implemented",
+                                                         {"x": 1})
+    vllm_xargs: dict[str, Any] | None = rejected(None, "no custom extension takes extra arguments", {"x": 1})
 
 
-PromptType = str | list[str] | list[int] | list[list[int]]
+# the prompt forms vLLM takes: text, token ids, or a batch of those (texts and token lists mixed)
+PromptType = str | list[int] | list[str | list[int]]
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: PromptType
-    suffix: str | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    add_special_tokens: bool = True
-    prompt_logprobs: int | None = None
+class CompletionRequest(_CommonFields):
+    prompt: PromptType = supported(..., "text, token ids, or a list mixing texts and token-id lists")
+    suffix: str | None = rejected(None, "insertion (fill-in-the-middle) is not implemented", "end")
+    logprobs: int | None = supported(None)
+    echo: bool = supported(False, "with max_tokens 0 and logprobs: prompt scoring")
+    add_special_tokens: bool = supported(True)
+    prompt_embeds: Any = rejected(None, "prompt embeddings are not accepted", "AAAA")
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: Any = None
+class ChatCompletionRequest(_CommonFields):
+    messages: list[dict[str, Any]] = supported(..., "text content (string or text parts)")
+    logprobs: bool | None = supported(False)
+    top_logprobs: int | None = supported(None)
+    max_completion_tokens: int | None = supported(None)
+    tools: list[dict[str, Any]] | None = partial(
+        None, "rendered into the chat template; served with tool_choice 'none' only (tool-call parsing and "
+              "forced calls are not implemented: other choices are a 400)")
+    tool_choice: Any = partial(None, "'none' only; 'auto' (the default when tools are given), 'required' "
+                                     "and a named tool are a 400")
+    parallel_tool_calls: bool | None = supported(None, "no effect: tool calls are never made (tool_choice 'none')")
+    functions: list[dict[str, Any]] | None = rejected(None, "the legacy function-calling API is not implemented",
+                                                      [{"name": "f"}])
+    function_call: Any = rejected(None, "the legacy function-calling API is not implemented", "auto")
+    echo: bool = supported(False, "prefixes the last message's content when it has the reply's role")
+    reasoning_effort: str | None = rejected(None, "reasoning controls are not implemented", "low")
+    include_reasoning: bool = rejected(True, "reasoning parsing is not implemented", False)
+    modalities: list[str] | None = partial(None, "['text'] only")
+    audio: dict[str, Any] | None = rejected(None, "audio output is not implemented", {"voice": "x"})
+    prediction: dict[str, Any] | None = rejected(None, "predicted outputs are not implemented",
+                                                 {"type": "content", "content": "x"})
+    web_search_options: dict[str, Any] | None = rejected(None, "web search is not available", {})
+    store: bool | None = rejected(None, "completions are not stored", True)
+    metadata: dict[str, str] | None = rejected(None, "only used with store, which is not implemented", {"k": "v"})
+    service_tier: str | None = partial(None, "'auto' or 'default' (echoed as 'default'); others are a 400")
+    documents: list[dict[str, str]] | None = supported(None, "passed to the chat template")
+    chat_template: str | None = rejected(None, "a per-request chat template is not trusted; start the server "
+                                               "with --chat-template", "{{ messages }}")
+    mm_processor_kwargs: dict[str, Any] | None = rejected(None, "multimodal input is not implemented", {"x": 1})
     # vLLM extensions
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = supported(True)
+    continue_final_message: bool = supported(False, "not together with add_generation_prompt")
+    add_special_tokens: bool = supported(False)
+    chat_template_kwargs: dict[str, Any] | None = supported(None)
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -150,6 +238,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered into the chat template, as for chat
     return_token_strs: bool = False
 
 
@@ -179,6 +268,20 @@ class CompletionResponseChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM extensions, filled only when asked (prompt_logprobs, return_token_ids)
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class _StreamChunk(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_empty_usage(self, handler):
+        # OpenAI leaves `usage` out of chunks that carry none (rather than sending null)
+        out = handler(self)
+        if out.get("usage", 0) is None:
+            del out["usage"]
+        return out
 
 
 class CompletionResponse(BaseModel):
@@ -191,13 +294,14 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
-class CompletionStreamResponse(BaseModel):
+class CompletionStreamResponse(_StreamChunk):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
 
 
 class ChatTopLogprob(BaseModel):
@@ -225,6 +329,7 @@ class ChatCompletionResponseChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -235,6 +340,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    service_tier: str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -253,15 +361,20 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new tokens
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_StreamChunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+    service_tier: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk with tokens
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # likewise
 
 
 class ModelCard(BaseModel):

@@ -34,6 +34,8 @@ from pagedserve.server.protocol import (
     CompletionLogProbs,
     DetokenizeRequest,
     TokenizeRequest,
+    random_id,
+    reject_unsupported,
 )
 
 logger = logging.getLogger("pagedserve.server")
@@ -60,6 +62,7 @@ class ServingContext:
     chat_template: str | None = None
     log_requests: bool = True
     ping_seconds: float = field(default_factory=default_ping_seconds)
+    system_fingerprint: str | None = None  # OpenAI's: names the serving configuration (version, model, dtype)
 
     @property
     def model_name(self) -> str:
@@ -223,13 +226,53 @@ class OpenAIServing:
         self.validator.check_prompt_text(text, param, allow_empty=True)
         return self.encode(text, add_special_tokens)
 
+    def check_request(self, req) -> None:
+        """Request-level checks every generating route shares: fields marked `rejected` in the
+        protocol, then the values of `partial` fields that are not served."""
+        reject_unsupported(req)
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of other than n is not supported (candidates are not ranked); use n.", 400,
+                           param="best_of")
+        if not req.spaces_between_special_tokens:
+            raise APIError("spaces_between_special_tokens=false is not supported: text is decoded by the "
+                           "tokenizer itself.", 400, param="spaces_between_special_tokens")
+        rf = req.response_format
+        if rf is not None and rf.get("type") not in (None, "text"):
+            raise APIError(f"response_format {rf.get('type')!r} is not supported: constrained decoding "
+                           "(structured outputs) is not supported yet; only 'text'.", 400, param="response_format")
+        k = req.truncate_prompt_tokens
+        if k is not None and (k == 0 or k < -1 or k > self.ctx.max_model_len):
+            raise APIError(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len "
+                           f"({self.ctx.max_model_len}), got {k}.", 400, param="truncate_prompt_tokens")
+        if self.ctx.log_requests and req.user:
+            logger.info("request from user %r", req.user)
+
+    def response_id(self, req, prefix: str) -> str:
+        return f"{prefix}-{req.request_id}" if req.request_id else random_id(prefix)
+
+    def truncate_prompt(self, req, ids: list[int]) -> list[int]:
+        """truncate_prompt_tokens: keep the last k tokens (-1: max_model_len), as vLLM does."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        return ids[-(self.ctx.max_model_len if k == -1 else k):]
+
+    @staticmethod
+    def _logit_bias(req) -> dict[int, float] | None:
+        if not req.logit_bias:
+            return None
+        out = {}
+        for k, v in req.logit_bias.items():
+            try:
+                t = int(k)
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {k!r}.", 400, param="logit_bias") from None
+            out[t] = min(100.0, max(-100.0, float(v)))  # OpenAI's range
+        return out
+
     def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's sampling fields as SamplingParams; the engine validates them."""
-        if req.logit_bias:
-            raise APIError("logit_bias is not supported yet.", 400, param="logit_bias")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError("best_of is not supported (use n).", 400, param="best_of")
         return SamplingParams(
             n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -250,6 +293,9 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            logit_bias=self._logit_bias(req),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
 
     # -- engine submission ---------------------------------------------------------------------
@@ -286,56 +332,69 @@ class OpenAIServing:
             self.engine.abort(rid)
 
     # -- logprobs ----------------------------------------------------------------------------
-    def _tok_str(self, tid: int, lp) -> str:
+    def _tok_str(self, tid: int, lp, as_ids: bool = False) -> str:
+        if as_ids:  # return_tokens_as_token_ids: tokens that are not valid UTF-8 alone stay exact
+            return f"token_id:{tid}"
         s = getattr(lp, "decoded_token", None) if lp is not None else None
         if s is None:
             s = self.tokenizer.decode([tid])
         return s
 
     def completion_logprobs(self, token_ids: list[int], logprobs: list, num: int,
-                            initial_offset: int) -> CompletionLogProbs:
+                            initial_offset: int, as_ids: bool = False) -> CompletionLogProbs:
+        """top_logprobs per position: the chosen token first, then the num best (vLLM's order)."""
         out = CompletionLogProbs()
         offset = initial_offset
         for tid, lpd in zip(token_ids, logprobs):
             if lpd is None:  # the first prompt token has none
-                tok = self._tok_str(tid, None)
+                tok = self._tok_str(tid, None, as_ids)
                 out.tokens.append(tok)
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
             else:
                 chosen = lpd.get(tid)
-                tok = self._tok_str(tid, chosen)
+                tok = self._tok_str(tid, chosen, as_ids)
                 out.tokens.append(tok)
                 out.token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else None)
+                entries = ([(tid, chosen)] if chosen is not None else []) + sorted(
+                    ((t, lp) for t, lp in lpd.items() if t != tid), key=lambda kv: -kv[1].logprob)[:num]
                 top: dict[str, float] = {}
-                ranked = sorted(lpd.items(), key=lambda kv: -kv[1].logprob)
-                for t, lp in ranked[:num]:
-                    top[self._tok_str(t, lp)] = max(lp.logprob, _MIN_LOGPROB)
-                if chosen is not None:
-                    top.setdefault(tok, max(chosen.logprob, _MIN_LOGPROB))
+                for t, lp in entries:
+                    top.setdefault(self._tok_str(t, lp, as_ids), max(lp.logprob, _MIN_LOGPROB))
                 out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(tok)
         return out
 
-    def chat_logprobs(self, token_ids: list[int], logprobs: list, num: int) -> list[ChatLogprobToken]:
+    def chat_logprobs(self, token_ids: list[int], logprobs: list, num: int,
+                      as_ids: bool = False) -> list[ChatLogprobToken]:
         out = []
         for tid, lpd in zip(token_ids, logprobs):
             lpd = lpd or {}
             chosen = lpd.get(tid)
-            tok = self._tok_str(tid, chosen)
+            tok = self._tok_str(tid, chosen, as_ids)
             ranked = sorted(lpd.items(), key=lambda kv: -kv[1].logprob)[:num]
             out.append(ChatLogprobToken(
                 token=tok,
                 logprob=max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else _MIN_LOGPROB,
                 bytes=list(tok.encode("utf-8", errors="replace")),
                 top_logprobs=[
-                    ChatTopLogprob(token=(s := self._tok_str(t, lp)), logprob=max(lp.logprob, _MIN_LOGPROB),
+                    ChatTopLogprob(token=(s := self._tok_str(t, lp, as_ids)), logprob=max(lp.logprob, _MIN_LOGPROB),
                                    bytes=list(s.encode("utf-8", errors="replace")))
                     for t, lp in ranked
                 ],
             ))
         return out
+
+    @staticmethod
+    def prompt_logprobs_json(plps: list | None) -> list[dict | None] | None:
+        """RequestOutput.prompt_logprobs in vLLM's JSON shape: per prompt position None (the first)
+        or {token id: {logprob, rank, decoded_token}}, -inf clamped as everywhere."""
+        if plps is None:
+            return None
+        return [None if d is None else {
+            str(t): {"logprob": max(lp.logprob, _MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in d.items()} for d in plps]
 
     # -- chat template (shared with /tokenize) ------------------------------------------------------
     def normalize_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -368,7 +427,8 @@ class OpenAIServing:
         return out
 
     def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None, documents: list[dict] | None = None) -> str:
         messages = self.normalize_messages(messages)
         tok = self.tokenizer
         template = self.ctx.chat_template
@@ -376,17 +436,20 @@ class OpenAIServing:
             raise APIError("This model's tokenizer has no chat template; start the server with --chat-template.",
                            400, param="messages")
         if continue_final_message:
-            add_generation_prompt = False
+            if add_generation_prompt:
+                raise APIError("Cannot set both continue_final_message and add_generation_prompt to true "
+                               "(set add_generation_prompt to false).", 400, param="continue_final_message")
             if messages[-1].get("role") != "assistant":
                 raise APIError("continue_final_message needs the last message to be from the assistant.", 400,
                                param="messages")
         kwargs = dict(chat_template_kwargs or {})
-        for k in ("tokenize", "add_generation_prompt", "chat_template", "continue_final_message", "conversation"):
+        for k in ("tokenize", "add_generation_prompt", "chat_template", "continue_final_message", "conversation",
+                  "tools", "documents"):
             kwargs.pop(k, None)
         try:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, chat_template=template,
-                                           **kwargs)
+                                           tools=tools, documents=documents, **kwargs)
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
             raise APIError(f"Could not apply the chat template: {e}", 400, param="messages") from None
         if not isinstance(text, str):  # some versions return a list for a batch
@@ -404,7 +467,7 @@ class OpenAIServing:
         if req.messages is not None:
             text = self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                     continue_final_message=req.continue_final_message,
-                                    chat_template_kwargs=req.chat_template_kwargs)
+                                    chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
             ids = self.encode_prompt(text, bool(req.add_special_tokens), "messages")
         else:
             ids = self.encode_prompt(req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)

@@ -54,11 +54,17 @@ ROLE = "assistant"
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        self._check_unsupported(req)
+        self.check_request(req)
+        tools = self._check_tools(req)
+        self._check_openai_options(req)
         text = self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
-                                chat_template_kwargs=req.chat_template_kwargs)
+                                chat_template_kwargs=req.chat_template_kwargs, tools=tools,
+                                documents=req.documents)
         ids = self.encode_prompt(text, req.add_special_tokens, "messages")
+        cut = self.truncate_prompt(req, ids)
+        if len(cut) != len(ids):
+            text, ids = None, cut
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -69,8 +75,9 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"top_logprobs must be between 0 and {self.ctx.max_logprobs}, got {req.top_logprobs}.",
                            400, param="top_logprobs")
         num_lp = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=num_lp)
-        rid = random_id("chatcmpl")
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=num_lp,
+                                      prompt_logprobs=req.prompt_logprobs)
+        rid = self.response_id(req, "chatcmpl")
         if req.stream:
             streams = await self.submit([rid], [(text, ids)], [params], max_tokens_param=max_param)
             return SSEResponse(self._stream(req, rid, streams[0], len(ids)), on_close=lambda: self.engine.abort(rid))
@@ -80,21 +87,53 @@ class OpenAIServingChat(OpenAIServing):
             return Response(status_code=499)
         return JSONResponse(body)
 
-    def _check_unsupported(self, req: ChatCompletionRequest) -> None:
-        if req.tools and req.tool_choice not in (None, "none"):
-            raise APIError("Tool calling is not supported yet (tools with tool_choice other than 'none').", 400,
-                           param="tools")
-        if req.functions:
-            raise APIError("Function calling is not supported yet.", 400, param="functions")
-        rf = req.response_format
-        if rf is not None and rf.get("type") not in (None, "text"):
-            raise APIError(f"response_format {rf.get('type')!r} is not supported yet (only 'text').", 400,
-                           param="response_format")
+    def _check_tools(self, req: ChatCompletionRequest) -> list[dict] | None:
+        """The tools to render into the prompt. Only tool_choice 'none' is served: the model sees the
+        tools (as in vLLM) and answers in text. 'auto' (the default when tools are given) needs
+        tool-call parsing, 'required' and a named tool need constrained decoding: both a 400."""
+        choice = req.tool_choice
+        if req.parallel_tool_calls is not None and not req.tools:
+            raise APIError("parallel_tool_calls is only allowed when tools are given.", 400,
+                           param="parallel_tool_calls")
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise APIError("tool_choice needs tools.", 400, param="tool_choice")
+            return None
+        if choice == "none":  # no call is made, so parallel_tool_calls changes nothing
+            return req.tools
+        shown = "auto (the default when tools are given)" if choice is None else repr(choice)
+        if choice in (None, "auto"):
+            why = "tool-call parsing is not implemented"
+        else:
+            why = "forcing a tool call needs constrained decoding (structured outputs), which is not supported yet"
+        raise APIError(f"tool_choice {shown} is not supported: {why}. Use tool_choice 'none' to show the tools to "
+                       "the model and get a text answer.", 400, param="tool_choice")
+
+    def _check_openai_options(self, req: ChatCompletionRequest) -> None:
+        if req.modalities is not None and list(req.modalities) != ["text"]:
+            raise APIError("modalities: only ['text'] is supported.", 400, param="modalities")
+        if req.service_tier not in (None, "auto", "default"):
+            raise APIError(f"service_tier {req.service_tier!r} is not supported (only 'auto' or 'default').", 400,
+                           param="service_tier")
+
+    def _echo(self, req: ChatCompletionRequest) -> str:
+        """echo: the last message's content when its role is the reply's (vLLM's rule)."""
+        if not req.echo:
+            return ""
+        last = req.messages[-1] if req.messages else {}
+        role = ROLE if req.add_generation_prompt else last.get("role")
+        if last.get("role") != role:
+            return ""
+        return self.normalize_messages([last])[0]["content"]
 
     def _logprobs(self, req, token_ids, lps) -> ChatLogprobs | None:
         if not req.logprobs:
             return None
-        return ChatLogprobs(content=self.chat_logprobs(list(token_ids), list(lps or []), req.top_logprobs or 0))
+        return ChatLogprobs(content=self.chat_logprobs(list(token_ids), list(lps or []), req.top_logprobs or 0,
+                                                       bool(req.return_tokens_as_token_ids)))
+
+    def _role(self, req) -> str:
+        return ROLE if req.add_generation_prompt else req.messages[-1].get("role", ROLE)
 
     async def _full(self, req, rid, text, ids, params, max_param: str) -> dict:
         streams = await self.submit([rid], [(text, ids)], [params], max_tokens_param=max_param)
@@ -108,17 +147,26 @@ class OpenAIServingChat(OpenAIServing):
             self.engine.abort(rid)
         choices = []
         n_gen = 0
+        echo = self._echo(req)
         for o in sorted(final.outputs, key=lambda o: o.index):
             n_gen += len(o.token_ids)
             choices.append(ChatCompletionResponseChoice(
-                index=o.index, message=ChatMessage(role=ROLE, content=o.text),
+                index=o.index, message=ChatMessage(role=self._role(req), content=echo + o.text),
                 logprobs=self._logprobs(req, o.token_ids, o.logprobs),
-                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                token_ids=list(o.token_ids) if req.return_token_ids else None))
         n_prompt = len(final.prompt_token_ids)
-        resp = ChatCompletionResponse(id=rid, model=self.ctx.model_name, choices=choices,
-                                      usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen,
-                                                      total_tokens=n_prompt + n_gen))
+        resp = ChatCompletionResponse(
+            id=rid, model=self.ctx.model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen),
+            system_fingerprint=self.ctx.system_fingerprint, service_tier=self._service_tier(req),
+            prompt_logprobs=self.prompt_logprobs_json(final.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            prompt_token_ids=list(final.prompt_token_ids) if req.return_token_ids else None)
         return resp.model_dump()
+
+    @staticmethod
+    def _service_tier(req) -> str:
+        return "default"  # one tier: what OpenAI reports for 'auto' and 'default'
 
     async def _stream(self, req, rid, stream, n_prompt: int) -> AsyncIterator[str]:
         created = int(time.time())
@@ -136,18 +184,32 @@ class OpenAIServingChat(OpenAIServing):
             g = sum(gen_tokens)
             return UsageInfo(prompt_tokens=n_prompt, completion_tokens=g, total_tokens=n_prompt + g)
 
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
+        tier = self._service_tier(req)
+        as_list = bool(req.return_token_ids)
+
+        def chunk(choice: ChatCompletionStreamChoice, **extra) -> str:
             return sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice],
-                                                    usage=usage() if continuous else None))
+                                                    usage=usage() if continuous else None,
+                                                    system_fingerprint=self.ctx.system_fingerprint,
+                                                    service_tier=tier, **extra))
 
         try:
+            role, echo = self._role(req), self._echo(req)
+            first = {}
             for i in range(n):
-                yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content="")))
+                yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role=role, content="")))
+                if echo:
+                    yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for item in merge_streams([stream], self.ctx.ping_seconds):
                 if item is None:
                     yield SSE_PING
                     continue
                 out = item[1]
+                if not first:  # the prompt's extras ride on the first chunk with generated tokens
+                    first = {"prompt_token_ids": list(out.prompt_token_ids) if as_list else None,
+                             "prompt_logprobs": (self.prompt_logprobs_json(out.prompt_logprobs)
+                                                 if req.prompt_logprobs is not None else None)}
+                    extra = first
                 for o in out.outputs:
                     idx = o.index
                     if done[idx]:
@@ -156,7 +218,7 @@ class OpenAIServingChat(OpenAIServing):
                     new_ids = o.token_ids[prev_tok[idx]:]
                     fin = o.finish_reason
                     want_lp = bool(req.logprobs) and bool(new_ids)
-                    if not delta and not want_lp and fin is None:
+                    if not delta and not want_lp and fin is None and not (as_list and new_ids):
                         continue
                     lp = None
                     if req.logprobs and new_ids:
@@ -168,10 +230,13 @@ class OpenAIServingChat(OpenAIServing):
                         done[idx] = True
                     yield chunk(ChatCompletionStreamChoice(
                         index=idx, delta=DeltaMessage(content=delta) if (delta or fin is None) else DeltaMessage(),
-                        logprobs=lp, finish_reason=fin, stop_reason=o.stop_reason if fin else None))
+                        logprobs=lp, finish_reason=fin, stop_reason=o.stop_reason if fin else None,
+                        token_ids=list(new_ids) if as_list else None), **extra)
+                    extra = {}
             if include_usage:
                 yield sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                       usage=usage()))
+                                                       usage=usage(), system_fingerprint=self.ctx.system_fingerprint,
+                                                       service_tier=tier))
         except (APIError, InvalidRequestError, EngineDeadError, RequestAbortedError, QueueFullError,
                 EngineShuttingDownError) as e:
             err = engine_error_to_api(e)
