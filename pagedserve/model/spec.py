@@ -83,7 +83,9 @@ class ModelSpec:
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ConfigError(f"hidden_act={act!r} is not supported (Llama-family models use silu)")
-        dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        # transformers 5 calls `torch_dtype` deprecated (a property that warns when read): read it
+        # only where it is a plain attribute (transformers 4.x)
+        dtype = getattr(cfg, "dtype", None) or vars(cfg).get("torch_dtype")
         return cls(
             architecture=arch,
             model_type=getattr(cfg, "model_type", "llama"),
