@@ -315,3 +315,159 @@ def test_mixed_prompt_lists_and_request_id(srv):
             _err(await h.post("/v1/completions", json={"model": srv.model, "prompt": bad}), "prompt")
 
     srv.run(go)
+
+
+# ------------------------------------------------------------------------------------------------
+# routes
+def test_responses_api_text_streaming_and_previous_response_id(srv):
+    async def go(h, c):
+        first = await c.responses.create(model=srv.model, input="Once upon a time", max_output_tokens=4,
+                                         temperature=0, instructions="Be brief.", metadata={"k": "v"})
+        assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+        assert first.usage.output_tokens == 4 and first.output_text and first.metadata == {"k": "v"}
+        assert first.output[0].content[0].type == "output_text"
+        # the same turn as chat: instructions become a system message
+        chat = await c.chat.completions.create(model=srv.model, max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}])
+        assert first.output_text == chat.choices[0].message.content
+        assert first.usage.input_tokens == chat.usage.prompt_tokens
+        # streaming: OpenAI's typed events, the deltas adding up to the final text
+        events = [e async for e in await c.responses.create(model=srv.model, input="Once upon a time",
+                                                             max_output_tokens=4, temperature=0, stream=True,
+                                                             instructions="Be brief.")]
+        types = [e.type for e in events]
+        assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"]
+        assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                              "response.output_item.done", "response.incomplete"]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        # previous_response_id continues the stored conversation (instructions are not carried over)
+        second = await c.responses.create(model=srv.model, input="And then?", previous_response_id=first.id,
+                                          max_output_tokens=3, temperature=0)
+        chat2 = await c.chat.completions.create(model=srv.model, max_tokens=3, temperature=0, messages=[
+            {"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then?"}])
+        assert second.output_text == chat2.choices[0].message.content
+        assert second.previous_response_id == first.id
+        assert (await c.responses.retrieve(first.id)).output_text == first.output_text
+        r = await h.post("/v1/responses", json={"model": srv.model, "input": "x", "previous_response_id": "resp_no"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+        unstored = await c.responses.create(model=srv.model, input="x", max_output_tokens=1, store=False)
+        assert (await h.get(f"/v1/responses/{unstored.id}")).status_code == 404
+        for bad in ({"tools": [{"type": "function", "name": "f"}]}, {"text": {"format": {"type": "json_object"}}},
+                    {"reasoning": {"effort": "low"}}, {"input": [{"type": "input_image", "image_url": "x"}]}):
+            _err(await h.post("/v1/responses", json={"model": srv.model, "input": "x", **bad}))
+
+    srv.run(go)
+
+
+def test_response_store_is_bounded():
+    from pagedserve.server.protocol import APIError
+    from pagedserve.server.serving_responses import ResponseStore
+
+    store = ResponseStore(max_entries=2)
+    for i in range(3):
+        store.put(f"r{i}", [{"role": "user", "content": str(i)}], {"id": f"r{i}"})
+    assert len(store) == 2 and store.get("r2")[1] == {"id": "r2"}
+    with pytest.raises(APIError):
+        store.get("r0")  # the oldest went first
+
+
+def test_load_ping_and_metric_families(srv):
+    async def go(h, c):
+        assert (await h.get("/load")).json() == {"server_load": 0}
+        assert (await h.get("/ping")).status_code == 200 and (await h.post("/ping")).status_code == 200
+        await c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=3, n=2, temperature=1.0,
+                                   extra_body={"ignore_eos": True})
+        text = (await h.get("/metrics")).text
+        from prometheus_client.parser import text_string_to_metric_families
+
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        for name in ("cache_config_info", "num_requests_waiting_by_reason", "prompt_tokens_cached",
+                     "prompt_tokens_by_source", "prompt_tokens_cached_by_source", "request_num_preemptions",
+                     "request_params_max_tokens", "request_params_n", "request_max_num_generation_tokens",
+                     "request_prefill_kv_computed_tokens", "request_time_per_output_token_seconds",
+                     "estimated_flops_per_gpu", "estimated_read_bytes_per_gpu", "estimated_write_bytes_per_gpu",
+                     "gpu_cache_usage_perc"):
+            assert "pagedserve:" + name in fams, name
+        for name in ("process_cpu_seconds", "python_info", "python_gc_objects_collected", "http_requests",
+                     "http_request_duration_seconds"):
+            assert name in fams, name
+
+        def value(sample, **labels):
+            return sum(s.value for f in fams.values() for s in f.samples
+                       if s.name == sample and labels.items() <= s.labels.items())
+
+        assert value("pagedserve:request_params_n_sum") >= 2
+        assert value("pagedserve:request_max_num_generation_tokens_sum") >= 3
+        assert value("pagedserve:estimated_flops_per_gpu_total") > 0
+        assert value("pagedserve:cache_config_info", block_size="16", num_gpu_blocks="64") == 1
+        assert value("http_requests_total", handler="/v1/completions", method="POST", status="2xx") >= 1
+        assert value("http_requests_total", handler="none", status="4xx") == 0
+        await h.get("/no/such/path")
+        text = (await h.get("/metrics")).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        assert value("http_requests_total", handler="none", status="4xx") == 1
+
+    srv.run(go)
+
+
+# ------------------------------------------------------------------------------------------------
+# no field accepted and ignored
+_BASE = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/v1/chat/completions": {"messages": HI, "max_tokens": 1},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+}
+
+
+def test_every_request_field_is_read_by_the_serving_code_or_rejected(srv, monkeypatch):
+    """Drives every route in each of its modes while recording which request-model fields the
+    serving code reads; a field marked supported / partial that nothing reads is accepted and
+    ignored, and fails here. Every field marked rejected must be a 400 naming it."""
+    from pagedserve.server import protocol as P
+    from pagedserve.server.api_doc import ROUTES
+
+    reads: set = set()
+
+    def spy(self, name):
+        cls = object.__getattribute__(self, "__class__")
+        if name in cls.__pydantic_fields__:
+            reads.add((cls.__name__, name))
+        return object.__getattribute__(self, name)
+
+    monkeypatch.setattr(P.OpenAIBaseModel, "__getattribute__", spy)
+    m = {"model": srv.model}
+
+    async def go(h, c):
+        for body in (
+            {"prompt": PROMPT, "max_tokens": 2, "logprobs": 1, "echo": True},
+            {"prompt": [PROMPT, [5, 6]], "max_tokens": 2, "stream": True,
+             "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        ):
+            assert (await h.post("/v1/completions", json={**m, **body})).status_code == 200
+        for body in (
+            {"messages": HI, "max_tokens": 2, "logprobs": True, "top_logprobs": 1},
+            {"messages": HI, "max_completion_tokens": 2, "stream": True, "tools": TOOLS, "tool_choice": "none",
+             "stream_options": {"include_usage": True}},
+        ):
+            assert (await h.post("/v1/chat/completions", json={**m, **body})).status_code == 200
+        for body in ({"input": "hi", "max_output_tokens": 2}, {"input": "hi", "max_output_tokens": 2, "stream": True}):
+            assert (await h.post("/v1/responses", json={**m, **body})).status_code == 200
+        assert (await h.post("/tokenize", json={**m, "prompt": "hi"})).status_code == 200
+        assert (await h.post("/tokenize", json={**m, "messages": HI})).status_code == 200
+        assert (await h.post("/detokenize", json={**m, "tokens": [5, 6]})).status_code == 200
+        # rejected fields: each alone is a 400 that names it
+        for route, model in ROUTES:
+            path = route.split()[-1]
+            for name in model.model_fields:
+                info = P.field_support(model, name)
+                if path in _BASE and info["support"] == "rejected":
+                    r = await h.post(path, json={**m, **_BASE[path], name: info["example"]})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
+
+    srv.run(go)
+    unread = [f"{model.__name__}.{name}" for _, model in ROUTES for name in model.model_fields
+              if P.field_support(model, name)["support"] != "rejected" and (model.__name__, name) not in reads]
+    assert not unread, f"accepted but never read by the serving code: {unread}"

@@ -307,7 +307,7 @@ class LLMEngine:
             ))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                              list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-                             outs, req.finished, req.metrics)
+                             outs, req.finished, req.metrics, num_cached_tokens=req.metrics.num_cached_tokens or 0)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

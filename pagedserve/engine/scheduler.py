@@ -71,6 +71,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
+        seq.request.metrics.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -119,6 +120,9 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            m = seq.request.metrics
+            if m.num_cached_tokens is None:  # the first admission's prefix-cache hit (vLLM's cached tokens)
+                m.num_cached_tokens = seq.num_computed_tokens
             bm.grow(seq, seq.num_computed_tokens + n)
             bm.commit_blocks(seq, seq.num_computed_tokens + n, seq.request.lora_key)
             seq.status = SequenceStatus.RUNNING

@@ -26,6 +26,10 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
+    max_tokens: int | None = None  # what the request asked (for the request_params_* metrics)
+    n: int = 1
 
 
 class Sequence:
@@ -100,7 +104,8 @@ class Request:
     stop_token_ids: frozenset = frozenset()  # params.stop_token_ids plus EOS unless ignore_eos
 
     def __post_init__(self):
-        self.metrics = RequestMetrics(arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids))
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids),
+                                      max_tokens=self.params.max_tokens, n=self.params.n)
         self.seqs = [Sequence(self, i, self.prompt_token_ids) for i in range(self.params.n)]
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob (vLLM's shape)

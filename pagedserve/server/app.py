@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.errors import InvalidRequestError
-from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
+from pagedserve.server.metrics import ServerMetrics, StepCostModel
 from pagedserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -29,17 +30,19 @@ from pagedserve.server.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
     error_body,
 )
 from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_base import ServingContext, default_ping_seconds
 from pagedserve.server.serving_completions import OpenAIServingCompletion
+from pagedserve.server.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("pagedserve.server")
 
 # Paths that stay reachable without the API key (load balancers and Prometheus scrape them).
-OPEN_PATHS = ("/health", "/metrics", "/version", "/ping")
+OPEN_PATHS = ("/health", "/metrics", "/version", "/ping", "/load")
 
 
 def _version() -> str:
@@ -118,6 +121,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return ("; ".join(parts) or "Invalid request."), param
 
 
+def _cache_config(engine) -> dict:
+    """cache_config_info's labels (vLLM's names)."""
+    cfg = engine.config
+    bm = getattr(engine, "block_manager", None)
+    return {"block_size": cfg.block_size, "num_gpu_blocks": getattr(bm, "num_blocks", ""),
+            "cache_dtype": str(getattr(engine, "dtype", cfg.dtype)).replace("torch.", ""),
+            "enable_prefix_caching": cfg.enable_prefix_caching, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "cpu_kvcache_space_gib": cfg.kv_cache_space}
+
+
+def _cost_model(engine) -> StepCostModel | None:
+    spec, dtype = getattr(engine, "spec", None), getattr(engine, "dtype", None)
+    if spec is None or not hasattr(spec, "num_layers") or dtype is None:
+        return None
+    import torch
+
+    return StepCostModel.from_spec(spec, str(getattr(engine, "device", "cpu")),
+                                   torch.tensor([], dtype=dtype).element_size())
+
+
 def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None) -> FastAPI:
     args = args or argparse.Namespace()
     engine = async_engine.engine
@@ -130,7 +153,8 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
     vocab = getattr(spec, "vocab_size", None) or len(engine.tokenizer)
     shutdown_timeout = float(getattr(args, "shutdown_timeout", 30.0) or 0.0)
 
-    metrics = ServerMetrics(names[0], cfg.max_model_len or 8192, stats_fn=async_engine.stats)
+    metrics = ServerMetrics(names[0], cfg.max_model_len or 8192, stats_fn=async_engine.stats,
+                            cache_config=_cache_config(engine), cost=_cost_model(engine))
     async_engine.observer = metrics
     ctx = ServingContext(
         engine=async_engine,
@@ -147,6 +171,8 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
     )
     completions = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
+    responses = OpenAIServingResponses(ctx)
+    http_metrics = HTTPMetrics(metrics.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -185,6 +211,7 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
     api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDSERVE_API_KEY") or None
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=http_metrics)  # outermost: counts 401s too
 
     # -- routes ---------------------------------------------------------------------------------
     @app.get("/health")
@@ -193,9 +220,13 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
             return Response(status_code=200)
         return JSONResponse(error_body("the engine is not running", 503, code="engine_dead"), status_code=503)
 
-    @app.get("/ping")
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():
         return await health()
+
+    @app.get("/load")
+    async def load():
+        return {"server_load": http_metrics.server_load}
 
     @app.get("/version")
     async def version():
@@ -218,6 +249,14 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        return await responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return await responses.retrieve(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):

@@ -8,8 +8,18 @@ counters and histograms are fed by AsyncEngine's observer hooks from the engine 
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from dataclasses import dataclass
+
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedserve.engine.request_stream import EngineObserver, RequestStream
@@ -33,6 +43,35 @@ def _1_2_5_buckets(maximum: int) -> list[float]:
                 return [float(x) for x in out] or [1.0]
             out.append(v)
         exp += 1
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Per-step work estimated from the model's shapes, for the estimated_*_per_gpu counters: the
+    linear layers' FLOPs per computed token, the LM head's per sampled token, every weight read
+    once per step, each computed token's K and V written once. Attention over the context is
+    not counted (it depends on every sequence's length)."""
+
+    device: str
+    linear_params: int  # weights the decoder layers multiply each token by
+    head_params: int  # hidden x vocab
+    bytes_per_param: int
+    kv_bytes_per_token: int
+
+    @classmethod
+    def from_spec(cls, spec, device: str, bytes_per_param: int) -> "StepCostModel":
+        h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * spec.intermediate_size
+        return cls(device, spec.num_layers * per_layer, h * spec.vocab_size, bytes_per_param,
+                   2 * spec.num_layers * kv * bytes_per_param)
+
+    def step(self, computed_tokens: int, sampled_tokens: int) -> tuple[float, float, float]:
+        """(FLOPs, bytes read, bytes written) of one step."""
+        if computed_tokens <= 0:
+            return 0.0, 0.0, 0.0
+        flops = 2.0 * (self.linear_params * computed_tokens + self.head_params * sampled_tokens)
+        read = float((self.linear_params + self.head_params) * self.bytes_per_param)
+        return flops, read, float(self.kv_bytes_per_token * computed_tokens)
 
 
 class _StatsCollector:
@@ -62,21 +101,41 @@ class _StatsCollector:
         usage = float(get("kv_cache_usage"))
         yield g("num_requests_running", "Number of requests in the running batch.", get("num_running"))
         yield g("num_requests_waiting", "Number of requests waiting to be scheduled.", get("num_waiting"))
+        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
+                                      "Waiting requests by reason: 'capacity' (no room in the batch or the KV "
+                                      "cache); 'deferred' (held for something else) never happens here.",
+                                      labels=["model_name", "reason"])
+        by_reason.add_metric([name, "capacity"], float(get("num_waiting")))
+        by_reason.add_metric([name, "deferred"], 0.0)
+        yield by_reason
         yield g("kv_cache_usage_perc", "KV-cache usage (fraction of blocks in use, 0..1).", usage)
-        yield g("gpu_cache_usage_perc", "KV-cache usage (same as kv_cache_usage_perc; vLLM v0 name).", usage)
+        yield g("gpu_cache_usage_perc", "Deprecated: kv_cache_usage_perc under vLLM v0's name, kept for old "
+                                        "dashboards.", usage)
         yield g("num_kv_cache_blocks", "Total KV-cache blocks.", get("num_total_blocks"))
         yield c("num_preemptions", "Cumulative number of preemptions.", get("num_preemptions_total"))
         yield c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", get("prefix_cache_queries"))
         yield c("prefix_cache_hits", "Prompt tokens found in the prefix cache.", get("prefix_cache_hits"))
+        if self.m.cache_config:
+            info = InfoMetricFamily(PREFIX + "cache_config", "The KV cache's configuration.")
+            info.add_metric([], self.m.cache_config)
+            yield info
 
 
 class ServerMetrics(EngineObserver):
-    def __init__(self, model_name: str, max_model_len: int = 8192, stats_fn=None):
+    """cache_config: label -> value for cache_config_info; cost: the estimated_*_per_gpu model."""
+
+    def __init__(self, model_name: str, max_model_len: int = 8192, stats_fn=None,
+                 cache_config: dict[str, str] | None = None, cost: StepCostModel | None = None):
         self.model_name = model_name
         self.stats_fn = stats_fn
+        self.cache_config = {k: str(v) for k, v in (cache_config or {}).items()}
+        self.cost = cost
         self.registry = CollectorRegistry(auto_describe=True)
         r, L = self.registry, ["model_name"]
         tok_buckets = _1_2_5_buckets(max(max_model_len, 1))
+        # the standard process_* and python_* families, as a default prometheus_client registry has
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
 
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", L,
                                      registry=r).labels(model_name)
@@ -111,6 +170,34 @@ class ServerMetrics(EngineObserver):
                                 _LATENCY_BUCKETS)
         self.req_prompt_tokens = h("request_prompt_tokens", "Prompt tokens per finished request.", tok_buckets)
         self.req_gen_tokens = h("request_generation_tokens", "Generated tokens per finished request.", tok_buckets)
+        self.req_max_gen_tokens = h("request_max_num_generation_tokens",
+                                    "Most tokens one choice of a finished request generated.", tok_buckets)
+        self.req_params_max_tokens = h("request_params_max_tokens", "max_tokens of finished requests.", tok_buckets)
+        self.req_params_n = h("request_params_n", "n of finished requests.", [1, 2, 5, 10, 20, 50, 100])
+        self.req_preemptions = h("request_num_preemptions", "Times a finished request was preempted.",
+                                 [0, 1, 2, 5, 10, 20, 50])
+        self.req_prefill_computed = h("request_prefill_kv_computed_tokens",
+                                      "Prompt tokens a request computed (not found in the prefix cache).", tok_buckets)
+        self.req_tpot = h("request_time_per_output_token_seconds",
+                          "Per request: decode time / (generated tokens - 1) (s).", _ITL_BUCKETS)
+        self.prompt_tokens_cached = Counter(PREFIX + "prompt_tokens_cached",
+                                            "Prompt tokens served from the prefix cache.", L,
+                                            registry=r).labels(model_name)
+        by_source = Counter(PREFIX + "prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+                            L + ["source"], registry=r)
+        self.prompt_computed = by_source.labels(model_name, "local_compute")
+        self.prompt_cache_hit = by_source.labels(model_name, "local_cache_hit")
+        self.prompt_cached_by_source = Counter(PREFIX + "prompt_tokens_cached_by_source",
+                                               "Cached prompt tokens by cache.", L + ["source"],
+                                               registry=r).labels(model_name, "local_cache_hit")
+        if cost is not None:
+            def per_device(metric, doc):
+                return Counter(PREFIX + metric, doc + " (an estimate from the model's shapes; see StepCostModel).",
+                               L + ["device"], registry=r).labels(model_name, cost.device)
+
+            self.est_flops = per_device("estimated_flops_per_gpu", "Floating-point operations done")
+            self.est_read = per_device("estimated_read_bytes_per_gpu", "Bytes read from device memory")
+            self.est_write = per_device("estimated_write_bytes_per_gpu", "Bytes written to device memory")
         r.register(_StatsCollector(self))
 
     # -- server hooks ---------------------------------------------------------------------------
@@ -122,14 +209,26 @@ class ServerMetrics(EngineObserver):
 
     # -- engine-thread hooks (AsyncEngine observer) -----------------------------------------------
     def on_step(self, stats, step_seconds: float) -> None:
-        n = (getattr(stats, "step_prompt_tokens", 0) or 0) + (getattr(stats, "step_generation_tokens", 0) or 0)
+        sampled = getattr(stats, "step_generation_tokens", 0) or 0
+        n = (getattr(stats, "step_prompt_tokens", 0) or 0) + sampled
         if n:
             self.iteration_tokens.observe(n)
+            if self.cost is not None:
+                flops, read, write = self.cost.step(n, sampled)
+                self.est_flops.inc(flops)
+                self.est_read.inc(read)
+                self.est_write.inc(write)
 
     def on_request_output(self, stream: RequestStream, output, num_new_tokens: int, now: float) -> None:
         if stream.tokens_seen == 0:
             # first generated token: the prompt has been processed
-            self.prompt_tokens.inc(len(output.prompt_token_ids or ()) or stream.num_prompt_tokens)
+            n_prompt = len(output.prompt_token_ids or ()) or stream.num_prompt_tokens
+            cached = min(getattr(output, "num_cached_tokens", 0) or 0, n_prompt)
+            self.prompt_tokens.inc(n_prompt)
+            self.prompt_tokens_cached.inc(cached)
+            self.prompt_cached_by_source.inc(cached)
+            self.prompt_cache_hit.inc(cached)
+            self.prompt_computed.inc(n_prompt - cached)
         else:
             if stream.last_token_time is not None:
                 gap = max(0.0, now - stream.last_token_time)
@@ -156,8 +255,18 @@ class ServerMetrics(EngineObserver):
             self.inference_time.observe(max(0.0, fin - sched))
             if first is not None:
                 self.prefill_time.observe(max(0.0, first - sched))
-        self.req_prompt_tokens.observe(len(output.prompt_token_ids or ()) or stream.num_prompt_tokens)
-        self.req_gen_tokens.observe(sum(len(o.token_ids) for o in output.outputs))
+        n_prompt = len(output.prompt_token_ids or ()) or stream.num_prompt_tokens
+        self.req_prompt_tokens.observe(n_prompt)
+        gen = [len(o.token_ids) for o in output.outputs]
+        self.req_gen_tokens.observe(sum(gen))
+        self.req_max_gen_tokens.observe(max(gen, default=0))
+        self.req_prefill_computed.observe(n_prompt - min(getattr(output, "num_cached_tokens", 0) or 0, n_prompt))
+        if getattr(m, "max_tokens", None) is not None:
+            self.req_params_max_tokens.observe(m.max_tokens)
+        self.req_params_n.observe(getattr(m, "n", None) or len(output.outputs))
+        self.req_preemptions.observe(getattr(m, "num_preemptions", 0) or 0)
+        if first is not None and max(gen, default=0) > 1:
+            self.req_tpot.observe(max(0.0, last - first) / (max(gen) - 1))
 
     def on_request_aborted(self, stream: RequestStream, now: float) -> None:
         self._success.labels(self.model_name, "abort").inc()

@@ -106,8 +106,8 @@ def reject_unsupported(req: BaseModel) -> None:
         if info.get("support") != "rejected":
             continue
         v = values.get(name)
-        if v is None or v == f.get_default(call_default_factory=True):
-            continue
+        if v is None or v == f.get_default(call_default_factory=True) or v in ([], {}):
+            continue  # at its default, or empty (asks for nothing)
         raise APIError(f"{name} is not supported: {info.get('note')}.", 400, param=name)
 
 
@@ -125,8 +125,8 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
+    include_usage: bool | None = supported(False, "a last chunk with the usage")
+    continuous_usage_stats: bool | None = supported(False, "usage on every chunk")
 
 
 class _CommonFields(OpenAIBaseModel):
@@ -215,8 +215,9 @@ class ChatCompletionRequest(_CommonFields):
     audio: dict[str, Any] | None = rejected(None, "audio output is not implemented", {"voice": "x"})
     prediction: dict[str, Any] | None = rejected(None, "predicted outputs are not implemented",
                                                  {"type": "content", "content": "x"})
-    web_search_options: dict[str, Any] | None = rejected(None, "web search is not available", {})
-    store: bool | None = rejected(None, "completions are not stored", True)
+    web_search_options: dict[str, Any] | None = rejected(None, "web search is not available",
+                                                         {"search_context_size": "low"})
+    store: bool | None = rejected(False, "completions are not stored", True)
     metadata: dict[str, str] | None = rejected(None, "only used with store, which is not implemented", {"k": "v"})
     service_tier: str | None = partial(None, "'auto' or 'default' (echoed as 'default'); others are a 400")
     documents: list[dict[str, str]] | None = supported(None, "passed to the chat template")
@@ -230,21 +231,52 @@ class ChatCompletionRequest(_CommonFields):
     chat_template_kwargs: dict[str, Any] | None = supported(None)
 
 
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses: text in, text out."""
+    model: str | None = supported(None, "must be a served model name (404 otherwise)")
+    input: str | list[dict[str, Any]] = supported(..., "text, or messages with text content")
+    instructions: str | None = supported(None, "a system message for this response only")
+    max_output_tokens: int | None = supported(None)
+    temperature: float | None = supported(None)
+    top_p: float | None = supported(None)
+    stream: bool | None = supported(False, "OpenAI's typed events")
+    previous_response_id: str | None = supported(None, "continues a stored response (kept in memory, bounded)")
+    store: bool = supported(True, "keep the response for previous_response_id and GET /v1/responses/{id}")
+    metadata: dict[str, str] | None = supported(None, "echoed in the response")
+    user: str | None = supported(None, "written to the request log")
+    text: dict[str, Any] | None = partial(None, "format type 'text' only; json_schema: " + _NO_CONSTRAINED
+                                                + ", a 400")
+    tools: list[dict[str, Any]] | None = partial(None, "none (empty) only: tool calling is not implemented")
+    tool_choice: Any = partial(None, "'none' or 'auto' with no tools")
+    parallel_tool_calls: bool = supported(True, "echoed; no tool calls are made")
+    truncation: str | None = partial(None, "'disabled' only")
+    service_tier: str | None = partial(None, "'auto' or 'default' (reported as 'default'); others are a 400")
+    reasoning: dict[str, Any] | None = rejected(None, "reasoning controls are not implemented", {"effort": "low"})
+    include: list[str] | None = rejected(None, "extra output data is not implemented",
+                                         ["message.output_text.logprobs"])
+    background: bool | None = rejected(None, "background responses are not implemented", True)
+    top_logprobs: int | None = rejected(None, "logprobs are not returned by this route (use chat completions)", 1)
+    max_tool_calls: int | None = rejected(None, "tool calling is not implemented", 1)
+    prompt: dict[str, Any] | None = rejected(None, "stored prompt templates are not implemented", {"id": "p"})
+    conversation: Any = rejected(None, "stored conversations are not implemented (use previous_response_id)",
+                                 "conv_1")
+
+
 class TokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered into the chat template, as for chat
-    return_token_strs: bool = False
+    model: str | None = supported(None)
+    prompt: str | None = supported(None, "this or messages")
+    messages: list[dict[str, Any]] | None = supported(None, "rendered with the chat template")
+    add_special_tokens: bool | None = supported(None)
+    add_generation_prompt: bool = supported(True)
+    continue_final_message: bool = supported(False)
+    chat_template_kwargs: dict[str, Any] | None = supported(None)
+    tools: list[dict[str, Any]] | None = supported(None, "rendered into the chat template, as for chat")
+    return_token_strs: bool = supported(False)
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[int]
+    model: str | None = supported(None)
+    tokens: list[int] = supported(...)
 
 
 # ------------------------------------------------------------------------------------------------

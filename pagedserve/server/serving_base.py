@@ -244,7 +244,7 @@ class OpenAIServing:
         if k is not None and (k == 0 or k < -1 or k > self.ctx.max_model_len):
             raise APIError(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len "
                            f"({self.ctx.max_model_len}), got {k}.", 400, param="truncate_prompt_tokens")
-        if self.ctx.log_requests and req.user:
+        if req.user and self.ctx.log_requests:
             logger.info("request from user %r", req.user)
 
     def response_id(self, req, prefix: str) -> str:
