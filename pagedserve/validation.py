@@ -179,6 +179,15 @@ class RequestValidator:
                  f"{self.max_model_len} tokens cannot hold more than {self.max_prompt_chars} characters. "
                  "Please shorten the prompt.", param)
 
+    def check_truncate_prompt_tokens(self, k) -> None:
+        """truncate_prompt_tokens: -1 (keep max_model_len tokens) or 1..max_model_len."""
+        if k is None:
+            return
+        _check_int("truncate_prompt_tokens", k)
+        if k != -1 and not (1 <= k <= self.max_model_len):
+            _bad(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len ({self.max_model_len}), "
+                 f"got {k}.", "truncate_prompt_tokens")
+
     def check_num_prompts(self, n: int, param: str = "prompt") -> None:
         if n > self.limits.max_prompts_per_request:
             _bad(f"at most {self.limits.max_prompts_per_request} prompts are allowed in one request, got {n}.", param)

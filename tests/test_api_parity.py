@@ -355,6 +355,10 @@ def test_responses_api_text_streaming_and_previous_response_id(srv):
         assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
         unstored = await c.responses.create(model=srv.model, input="x", max_output_tokens=1, store=False)
         assert (await h.get(f"/v1/responses/{unstored.id}")).status_code == 404
+        listed = await c.responses.create(model=srv.model, max_output_tokens=4, temperature=0, input=[
+            {"role": "developer", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Once upon a time"}]}])
+        assert listed.output_text == first.output_text  # the developer message is the system prompt
         for bad in ({"tools": [{"type": "function", "name": "f"}]}, {"text": {"format": {"type": "json_object"}}},
                     {"reasoning": {"effort": "low"}}, {"input": [{"type": "input_image", "image_url": "x"}]}):
             _err(await h.post("/v1/responses", json={"model": srv.model, "input": "x", **bad}))
@@ -468,6 +472,7 @@ def test_every_request_field_is_read_by_the_serving_code_or_rejected(srv, monkey
                     assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, name, r.text)
 
     srv.run(go)
+    assert srv.free_blocks_ok()  # every request's KV blocks are back
     unread = [f"{model.__name__}.{name}" for _, model in ROUTES for name in model.model_fields
               if P.field_support(model, name)["support"] != "rejected" and (model.__name__, name) not in reads]
     assert not unread, f"accepted but never read by the serving code: {unread}"

@@ -240,10 +240,7 @@ class OpenAIServing:
         if rf is not None and rf.get("type") not in (None, "text"):
             raise APIError(f"response_format {rf.get('type')!r} is not supported: constrained decoding "
                            "(structured outputs) is not supported yet; only 'text'.", 400, param="response_format")
-        k = req.truncate_prompt_tokens
-        if k is not None and (k == 0 or k < -1 or k > self.ctx.max_model_len):
-            raise APIError(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len "
-                           f"({self.ctx.max_model_len}), got {k}.", 400, param="truncate_prompt_tokens")
+        self.validator.check_truncate_prompt_tokens(req.truncate_prompt_tokens)
         if req.user and self.ctx.log_requests:
             logger.info("request from user %r", req.user)
 

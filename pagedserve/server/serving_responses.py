@@ -88,7 +88,8 @@ def _input_messages(inp: Any) -> list[dict]:
             content = "\n".join(texts)
         if not isinstance(content, str):
             raise APIError(f"input[{i}].content must be text.", 400, param="input")
-        out.append({"role": item["role"], "content": content})
+        # OpenAI's "developer" messages are the system prompt of models without that role
+        out.append({"role": "system" if item["role"] == "developer" else item["role"], "content": content})
     if not out:
         raise APIError("input must not be empty.", 400, param="input")
     return out
