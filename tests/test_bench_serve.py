@@ -266,7 +266,7 @@ SUMMARY_KEYS = {
 }
 RECORD_KEYS = {
     "index", "prompt_len", "output_len", "expected_output_len", "start", "ttft", "itl", "e2e", "tpot",
-    "success", "error", "http_status", "usage_reported", "sent",
+    "success", "error", "http_status", "usage_reported", "sent", "end",
 }
 
 
@@ -357,3 +357,44 @@ def test_unreachable_server_is_a_clean_error():
 def test_bad_config_rejected():
     assert serve.run(_args(model="m", vocab_size=100, num_prompts=0)) == 2
     assert serve.run(_args(model="m", vocab_size=100, random_range_ratio=1.5, num_prompts=1)) == 2
+
+
+def test_requests_cut_by_the_run_timeout_count_as_in_flight():
+    """A run stopped by --timeout with every request still streaming printed "Max concurrent
+    requests seen: 0": only completed requests were counted."""
+    cut = [RequestRecord(index=i, start=0.01 * i, sent=True, end=5.0, error="stopped by --timeout before it finished")
+           for i in range(64)]
+    s = report.summarize(cut, duration_s=5.0, timed_out=True)["summary"]
+    assert s["max_concurrency_observed"] == 64
+    # a request that failed fast ends when it failed, not at the end of the run
+    quick = [RequestRecord(index=i, start=float(i), sent=True, end=i + 0.1, error="HTTP 400: bad") for i in range(5)]
+    assert report.summarize(quick, duration_s=5.0)["summary"]["max_concurrency_observed"] == 1
+
+
+def test_most_requests_failing_is_explained_in_one_line():
+    recs = [RequestRecord(index=i, sent=True, end=0.1, error='HTTP 401: {"error": "bad key"}') for i in range(3)]
+    line = report.failure_line(report.build_result({}, recs, 1.0, {}))
+    assert line.startswith("bench serve: 3 of 3 requests failed") and "--api-key" in line
+    assert report.failure_line(report.build_result({}, _records(), 1.0, {})) is None  # 1 of 3 failed
+
+
+def test_a_server_that_wants_a_key_says_pass_api_key(capsys):
+    from aiohttp import web
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/v1/models", lambda r: web.json_response({"error": {"message": "bad key"}}, status=401))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            args = _args(base_url=f"http://127.0.0.1:{port}", num_prompts=1, disable_tqdm=True)
+            return await serve._main(args)
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == 2
+    err = capsys.readouterr().err
+    assert "HTTP 401" in err and "--api-key" in err and "--model" not in err

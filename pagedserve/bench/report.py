@@ -51,6 +51,7 @@ class RequestRecord:
     http_status: int | None = None
     usage_reported: bool = False
     sent: bool = False  # False: never sent (the run hit --timeout first)
+    end: float | None = None  # when it ended (answer, error or the run's --timeout), from the run start
 
     @property
     def tpot(self) -> float | None:
@@ -127,11 +128,15 @@ def metric_values(records: list[RequestRecord], name: str) -> list[float]:
 
 
 def max_concurrency_observed(records: list[RequestRecord]) -> int:
+    """Most requests in flight at once: every request sent counts from its start to its end, failed
+    ones and ones cut by --timeout too (counting only completed ones printed 0 for a run that
+    --timeout stopped with 64 requests in flight)."""
     events = []
     for r in records:
-        if r.e2e is not None:
+        end = r.end if r.end is not None else (r.start + r.e2e if r.e2e is not None else None)
+        if r.sent and end is not None:
             events.append((r.start, 1))
-            events.append((r.start + r.e2e, -1))
+            events.append((end, -1))
     events.sort(key=lambda e: (e[0], e[1]))  # ends before starts at equal times
     cur = best = 0
     for _, d in events:
@@ -187,6 +192,22 @@ def summarize(
     }
     metrics = {f"{m}_ms": stats_ms(metric_values(records, m)) for m in METRICS}
     return {"summary": summary, "metrics": metrics}
+
+
+def failure_line(result: dict[str, Any]) -> str | None:
+    """One line saying why, when at least half of the requests failed (None otherwise)."""
+    s = result["summary"]
+    if not s["num_prompts"] or s["failed"] * 2 < s["num_prompts"]:
+        return None
+    first = s["errors"][0] if s["errors"] else "unknown error"
+    hint = ""
+    if "HTTP 401" in first or "HTTP 403" in first:
+        hint = "; pass the server's key with --api-key"
+    elif "--timeout" in first:
+        hint = "; raise --timeout or send fewer / shorter requests (--num-prompts, --random-input-len)"
+    elif "Connect" in first:
+        hint = "; is the server running at --base-url?"
+    return f"bench serve: {s['failed']} of {s['num_prompts']} requests failed, first error: {first[:200]}{hint}"
 
 
 def _fmt(v: Any, nd: int = 2) -> str:

@@ -236,6 +236,8 @@ async def send_request(session, url: str, headers: dict, body: bytes, rec: Reque
     except ValueError as e:
         rec.error = str(e)
         return
+    finally:
+        rec.end = time.perf_counter() - t0
     if usage and isinstance(usage.get("completion_tokens"), int):
         rec.output_len = usage["completion_tokens"]
         if isinstance(usage.get("prompt_tokens"), int):
@@ -280,7 +282,8 @@ def auth_headers(api_key: str | None) -> dict:
 async def fetch_model_info(session, base_url: str, headers: dict) -> dict:
     async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
         if resp.status != 200:
-            raise RuntimeError(f"GET /v1/models: HTTP {resp.status}: {(await resp.text())[:ERROR_BODY_CHARS]}")
+            hint = " (pass the server's key with --api-key)" if resp.status in (401, 403) else " (pass --model)"
+            raise RuntimeError(f"GET /v1/models: HTTP {resp.status}: {(await resp.text())[:ERROR_BODY_CHARS]}{hint}")
         data = (await resp.json()).get("data") or []
     if not data:
         raise RuntimeError("GET /v1/models lists no model")
@@ -365,6 +368,8 @@ async def run_benchmark(
     for r in records:
         if not r.success and r.error is None:
             r.error = "stopped by --timeout before it finished" if r.sent else "not sent before --timeout"
+        if r.sent and r.end is None:  # still in flight when --timeout stopped the run
+            r.end = end - t0
     return records, end - t0, timed_out
 
 
@@ -444,7 +449,8 @@ async def _main(args) -> int:
                 info = await fetch_model_info(s, base_url, headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as e:
             if model is None:
-                print(f"error: cannot get the model from {base_url}/v1/models: {e} (pass --model)", file=sys.stderr)
+                hint = "" if isinstance(e, RuntimeError) else " (pass --model)"
+                print(f"error: cannot get the model from {base_url}/v1/models: {e}{hint}", file=sys.stderr)
                 return 2
             info = {}
         model = model or info["id"]
@@ -470,6 +476,8 @@ async def _main(args) -> int:
     )
     result = report.build_result(config, records, duration, slos, timed_out=timed_out)
     print(report.format_table(result))
+    if (why := report.failure_line(result)) is not None:
+        print(why, file=sys.stderr)
     if args.result_json:
         report.write_json(result, args.result_json)
         print(f"result JSON: {args.result_json}", file=sys.stderr)
