@@ -4,6 +4,7 @@ template, the logits controls (logit_bias, allowed_token_ids, bad_words), prompt
 scoring, echo, token-id returns and the response shapes OpenAI clients read."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -382,8 +383,23 @@ def test_load_ping_and_metric_families(srv):
     async def go(h, c):
         assert (await h.get("/load")).json() == {"server_load": 0}
         assert (await h.get("/ping")).status_code == 200 and (await h.post("/ping")).status_code == 200
+        # /load counts generation requests in progress
+        long = asyncio.ensure_future(h.post("/v1/completions", json={"model": srv.model, "prompt": PROMPT,
+                                                                     "max_tokens": 200, "ignore_eos": True}))
+        seen = 0
+        for _ in range(400):
+            seen = max(seen, (await h.get("/load")).json()["server_load"])
+            if seen or long.done():
+                break
+            await asyncio.sleep(0.005)
+        assert seen == 1
+        assert (await long).status_code == 200 and (await h.get("/load")).json() == {"server_load": 0}
         await c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=3, n=2, temperature=1.0,
                                    extra_body={"ignore_eos": True})
+        # a prompt two blocks long, twice: the second finds its first block in the prefix cache
+        long_prompt = list(range(10, 44))
+        for _ in range(2):
+            await c.completions.create(model=srv.model, prompt=long_prompt, max_tokens=1)
         text = (await h.get("/metrics")).text
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -406,6 +422,10 @@ def test_load_ping_and_metric_families(srv):
         assert value("pagedserve:request_params_n_sum") >= 2
         assert value("pagedserve:request_max_num_generation_tokens_sum") >= 3
         assert value("pagedserve:estimated_flops_per_gpu_total") > 0
+        hits = value("pagedserve:prompt_tokens_by_source_total", source="local_cache_hit")
+        assert hits >= 32 and value("pagedserve:prompt_tokens_cached_total") == hits
+        assert value("pagedserve:prompt_tokens_by_source_total", source="local_compute") + hits == \
+            value("pagedserve:prompt_tokens_total")
         assert value("pagedserve:cache_config_info", block_size="16", num_gpu_blocks="64") == 1
         assert value("http_requests_total", handler="/v1/completions", method="POST", status="2xx") >= 1
         assert value("http_requests_total", handler="none", status="4xx") == 0
