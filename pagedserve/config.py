@@ -37,11 +37,15 @@ class EngineConfig:
     served_model_name: str | None = None
     trust_remote_code: bool = False
     revision: str | None = None
+    generation_config: str = "auto"  # auto | vllm | a folder: default sampling parameters (generation_defaults.py)
     # resolved at load time (not user knobs)
     extra: dict = field(default_factory=dict)
 
     def validate_static(self) -> None:
         """Checks that need no model: run before anything heavy is loaded."""
+        from pagedserve.generation_defaults import check_setting
+
+        check_setting(self.generation_config)
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ConfigError(
                 f"block_size={self.block_size} is not supported; use one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))} (--block-size)"

@@ -22,13 +22,22 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (`generation_config`, as the server applies them);
+        what `generate` and `chat` use when given none."""
+        from pagedserve.generation_defaults import generation_defaults
+
+        cfg = self.llm_engine.config
+        defaults, _ = generation_defaults(cfg.generation_config, cfg.model)
+        return SamplingParams(**defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: a string, a list of strings, {"prompt_token_ids": [...]} / {"prompt": ...} dicts, or a mix."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -63,6 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trust-remote-code", action="store_true", default=False,
                    help="allow model code from the hub (pagedserve only runs its own model code)")
     g.add_argument("--revision", type=str, default=None, help="hub revision of the model")
+    g.add_argument("--generation-config", type=str, default=d.generation_config,
+                   help="default sampling parameters for fields a request leaves out: auto (the model's "
+                        "generation_config.json), vllm (none), or a folder holding a generation_config.json")
     _add_unsupported_args(parser)
     return parser
 
@@ -160,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=names,
         trust_remote_code=args.trust_remote_code,
         revision=args.revision,
+        generation_config=getattr(args, "generation_config", "auto"),
     )
     cfg.validate_static()
     return cfg

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.errors import InvalidRequestError
+from pagedserve.generation_defaults import generation_defaults
 from pagedserve.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from pagedserve.server.metrics import ServerMetrics, StepCostModel
 from pagedserve.server.protocol import (
@@ -168,6 +169,7 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
         log_requests=not getattr(args, "disable_log_requests", False),
         ping_seconds=default_ping_seconds(),
         system_fingerprint=system_fingerprint(str(cfg.model), str(getattr(engine, "dtype", cfg.dtype))),
+        sampling_defaults=generation_defaults(cfg.generation_config, cfg.model)[0],
     )
     completions = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)

@@ -123,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(async_engine, args)
     log.info("serving %s on http://%s:%d (max_model_len=%d)%s", app.state.ctx.model_name, args.host, args.port,
              app.state.ctx.max_model_len, " with an API key" if api_key else "")
+    from pagedserve.generation_defaults import describe, generation_defaults
+
+    log.info("%s", describe(*generation_defaults(config.generation_config, config.model)))
     uv_config = uvicorn.Config(
         app,
         host=args.host,

@@ -63,6 +63,7 @@ class ServingContext:
     log_requests: bool = True
     ping_seconds: float = field(default_factory=default_ping_seconds)
     system_fingerprint: str | None = None  # OpenAI's: names the serving configuration (version, model, dtype)
+    sampling_defaults: dict = field(default_factory=dict)  # --generation-config: fields a request leaves out
 
     @property
     def model_name(self) -> str:
@@ -269,16 +270,23 @@ class OpenAIServing:
 
     def sampling_params(self, req, *, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """The request's sampling fields as SamplingParams; the engine validates them."""
+        """The request's sampling fields as SamplingParams (a field the request leaves out takes the
+        --generation-config default, else vLLM's); the engine validates them."""
+        d = self.ctx.sampling_defaults
+
+        def pick(name: str, fallback):
+            v = getattr(req, name, None)
+            return v if v is not None else d.get(name, fallback)
+
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             seed=req.seed,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
@@ -300,6 +308,12 @@ class OpenAIServing:
                      params: list[SamplingParams], max_tokens_param: str = "max_tokens") -> list:
         """Queue the requests (all or none); the engine's InvalidRequestError becomes a 400 naming the
         field as the client sent it (`max_completion_tokens` for chat, when given)."""
+        default_max = self.ctx.sampling_defaults.get("max_tokens")
+        for p, (_, ids) in zip(params, prompts):
+            # the model's default max_tokens, cut to what the context leaves (as vLLM cuts it); a
+            # request that names max_tokens keeps its own
+            if p.max_tokens is None and default_max is not None and len(ids) < self.ctx.max_model_len:
+                p.max_tokens = min(default_max, self.ctx.max_model_len - len(ids))
         try:
             self.engine.check_admission(len(prompts), sum(len(ids) for _, ids in prompts))
         except Exception as e:  # noqa: BLE001

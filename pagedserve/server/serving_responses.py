@@ -129,8 +129,11 @@ class OpenAIServingResponses(OpenAIServing):
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         text = self.render_chat(system + conversation)
         ids = self.encode_prompt(text, False, "input")
-        params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p, max_tokens=req.max_output_tokens)
+        d = self.ctx.sampling_defaults
+        params = SamplingParams(temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+                                top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+                                top_k=d.get("top_k", 0), min_p=d.get("min_p", 0.0),
+                                repetition_penalty=d.get("repetition_penalty", 1.0), max_tokens=req.max_output_tokens)
         rid = random_id("resp").replace("-", "_", 1)
         streams = await self.submit([rid], [(text, ids)], [params], max_tokens_param="max_output_tokens")
         ctx = _Ctx(req, rid, conversation, int(time.time()))
