@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 (chunked) or max_model_len
     max_model_len: int | None = None  # default: the model's limit
+    max_input_tokens: int | None = None  # longest prompt accepted (TGI's flag); default: max_model_len - 1
     block_size: int = 16
     kv_cache_space: float = 4.0  # GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.9
@@ -68,6 +69,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1 (--max-model-len)")
+        if self.max_input_tokens is not None and self.max_input_tokens < 1:
+            raise ConfigError("max_input_tokens must be >= 1 (--max-input-tokens)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1 (--max-num-batched-tokens)")
 
@@ -88,6 +91,11 @@ class EngineConfig:
             raise ConfigError(
                 f"this model uses sliding-window attention (window {sliding_window}), which pagedserve does not "
                 f"implement yet; use --max-model-len {sliding_window} or less (attention is then exact)"
+            )
+        if self.max_input_tokens is not None and self.max_input_tokens >= self.max_model_len:
+            raise ConfigError(
+                f"max_input_tokens={self.max_input_tokens} leaves no room to generate within max_model_len="
+                f"{self.max_model_len}; use --max-input-tokens {self.max_model_len - 1} or less"
             )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = (

@@ -153,8 +153,9 @@ class RequestValidator:
     """Checks one request against the model it will run on (vocabulary, context, EOS ids)."""
 
     def __init__(self, *, max_model_len: int, vocab_size: int, max_logprobs: int = 20, eos_ids=(),
-                 max_token_chars: int = 0, limits: RequestLimits = DEFAULT_LIMITS):
+                 max_token_chars: int = 0, limits: RequestLimits = DEFAULT_LIMITS, max_input_tokens: int | None = None):
         self.max_model_len = max_model_len
+        self.max_input_tokens = max_input_tokens
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.eos_ids = frozenset(eos_ids)
@@ -165,7 +166,8 @@ class RequestValidator:
     @classmethod
     def for_engine(cls, config, vocab_size: int, tokenizer, eos_ids=()) -> "RequestValidator":
         return cls(max_model_len=config.max_model_len, vocab_size=vocab_size, max_logprobs=config.max_logprobs,
-                   eos_ids=eos_ids, max_token_chars=longest_token_chars(tokenizer))
+                   eos_ids=eos_ids, max_token_chars=longest_token_chars(tokenizer),
+                   max_input_tokens=getattr(config, "max_input_tokens", None))
 
     # -- before tokenizing --------------------------------------------------------------------
     def check_prompt_text(self, text, param: str = "prompt", allow_empty: bool = False) -> None:
@@ -205,6 +207,9 @@ class RequestValidator:
         if n_prompt >= L:
             _bad(f"This model's maximum context length is {L} tokens, but the prompt has {n_prompt} tokens. "
                  "Please shorten the prompt.", "prompt")
+        if self.max_input_tokens is not None and n_prompt > self.max_input_tokens:
+            _bad(f"The prompt has {n_prompt} tokens, more than this server accepts "
+                 f"(--max-input-tokens {self.max_input_tokens}). Please shorten the prompt.", "prompt")
         check_token_ids(ids, self.vocab_size, "prompt")
         check_token_ids(params.stop_token_ids or (), self.vocab_size, "stop_token_ids")
         check_token_ids(params.logit_bias or (), self.vocab_size, "logit_bias")

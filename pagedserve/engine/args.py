@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="most tokens in one engine step (default: 2048 with chunked prefill, else max-model-len)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's limit)")
+    g.add_argument("--max-input-tokens", type=int, default=None,
+                   help="refuse prompts longer than this many tokens (TGI's flag; default: max-model-len - 1)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block (default: %(default)s)")
     g.add_argument("--kv-cache-space", type=float, default=d.kv_cache_space,
                    help="GiB of KV cache on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE; default: %(default)s)")
@@ -150,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        max_input_tokens=getattr(args, "max_input_tokens", None),
         block_size=args.block_size,
         kv_cache_space=args.kv_cache_space,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -39,6 +39,7 @@ from pagedserve.server.serving_chat import OpenAIServingChat
 from pagedserve.server.serving_base import ServingContext, default_ping_seconds
 from pagedserve.server.serving_completions import OpenAIServingCompletion
 from pagedserve.server.serving_responses import OpenAIServingResponses
+from pagedserve.server.tgi.router import register_tgi
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -272,5 +273,7 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
     async def prometheus_metrics():
         body, ctype = metrics.render()
         return Response(content=body, media_type=ctype)
+
+    register_tgi(app, ctx, args)  # TGI's routes, flags and metric names
 
     return app

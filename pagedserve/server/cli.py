@@ -15,6 +15,7 @@ import sys
 
 from pagedserve.engine.args import add_engine_args, config_from_args
 from pagedserve.errors import ConfigError
+from pagedserve.server.tgi.launcher_args import add_tgi_launcher_args, check_tgi_args
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,6 +50,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     add_server_args(p)
     add_engine_args(p)
+    add_tgi_launcher_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -89,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
         if v is not None and v < 0:
             print(f"error: {flag} must be >= 0", file=sys.stderr)
             return 2
+    tgi_error = check_tgi_args(args)
+    if tgi_error:
+        print(f"error: {tgi_error}", file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ConfigError as e:
