@@ -17,6 +17,7 @@ _COMMANDS = [
     ("bench", "pagedserve.bench.cli"),
     ("plan", "pagedserve.plan"),
     ("eval", "pagedserve.eval.cli"),
+    ("doctor", "pagedserve.doctor.cli"),
 ]
 
 
