@@ -39,6 +39,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     revision: str | None = None
     generation_config: str = "auto"  # auto | vllm | a folder: default sampling parameters (generation_defaults.py)
+    # speculative decoding: None, or a dict / JSON string with vLLM's keys (pagedserve/spec/config.py);
+    # validate_static turns it into a SpeculativeConfig
+    speculative_config: object = None
     # resolved at load time (not user knobs)
     extra: dict = field(default_factory=dict)
 
@@ -73,6 +76,9 @@ class EngineConfig:
             raise ConfigError("max_input_tokens must be >= 1 (--max-input-tokens)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1 (--max-num-batched-tokens)")
+        from pagedserve.spec.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     def resolve(self, model_max_len: int, sliding_window: int | None = None) -> None:
         """Fill the defaults that depend on the model and check the combinations."""

@@ -12,6 +12,13 @@ from pagedserve.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
+        legacy = (kwargs.pop("speculative_model", None), kwargs.pop("num_speculative_tokens", None))
+        if legacy != (None, None):  # the older keyword form of speculative_config
+            from pagedserve.spec.config import from_legacy_flags
+
+            if kwargs.get("speculative_config") is not None:
+                raise ValueError("pass speculative_config or speculative_model/num_speculative_tokens, not both")
+            kwargs["speculative_config"] = from_legacy_flags(*legacy)
         self.llm_engine = LLMEngine(kwargs.pop("config", None) or EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 

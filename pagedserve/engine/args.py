@@ -68,6 +68,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--generation-config", type=str, default=d.generation_config,
                    help="default sampling parameters for fields a request leaves out: auto (the model's "
                         "generation_config.json), vllm (none), or a folder holding a generation_config.json")
+    g.add_argument("--speculative-config", type=str, default=None,
+                   help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'; '
+                        'methods: ngram, suffix, draft_model (with "model": DIR)')
+    g.add_argument("--speculative-model", type=str, default=None,
+                   help="older form: a draft model folder, or [ngram] (with --num-speculative-tokens)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="older form: tokens drafted per step (with --speculative-model)")
     _add_unsupported_args(parser)
     return parser
 
@@ -77,9 +85,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # (flag(s), takes a value?, values that are fine because they mean "the default")
 _UNSUPPORTED: list[tuple[tuple[str, ...], bool, tuple[str, ...]]] = [
     (("--quantization", "-q"), True, ("none",)),
-    (("--speculative-config",), True, ()),
-    (("--speculative-model",), True, ()),
-    (("--num-speculative-tokens",), True, ()),
     (("--enable-lora",), False, ()),
     (("--lora-modules",), True, ()),
     (("--max-loras",), True, ()),
@@ -167,9 +172,21 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         trust_remote_code=args.trust_remote_code,
         revision=args.revision,
         generation_config=getattr(args, "generation_config", "auto"),
+        speculative_config=_speculative_config(args),
     )
     cfg.validate_static()
     return cfg
+
+
+def _speculative_config(args: argparse.Namespace):
+    from pagedserve.errors import ConfigError
+    from pagedserve.spec.config import from_legacy_flags
+
+    legacy = from_legacy_flags(getattr(args, "speculative_model", None), getattr(args, "num_speculative_tokens", None))
+    given = getattr(args, "speculative_config", None)
+    if legacy is not None and given is not None:
+        raise ConfigError("use either --speculative-config or --speculative-model/--num-speculative-tokens, not both")
+    return given if given is not None else legacy
 
 
 def main_error(message: str) -> int:

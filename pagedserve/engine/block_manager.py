@@ -58,6 +58,17 @@ class BlockManager:
         for _ in range(self.num_new_blocks(seq, num_tokens)):
             seq.block_table.append(self._take_free_block())
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens (speculative decoding's rejected
+        drafts). Those blocks were taken by grow() for this sequence alone and never hashed."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)  # holds nothing worth keeping: reuse first
+
     def free_seq(self, seq: Sequence) -> None:
         # Tail blocks first, so they are evicted before the (more shareable) head blocks.
         for block in reversed(seq.block_table):

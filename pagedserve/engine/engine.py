@@ -83,6 +83,11 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
         self._setup_cuda_graphs()
+        self.spec_decoder = None  # speculative decoding (spec/decoder.py), when configured
+        if config.speculative_config is not None:
+            from pagedserve.spec.decoder import build_decoder
+
+            self.spec_decoder = build_decoder(config.speculative_config, self)
         self.requests: dict[str, Request] = {}
         self.profiler: StepProfiler | None = None  # set to a StepProfiler to time each phase
         self._step_prompt_tokens = 0
@@ -208,6 +213,9 @@ class LLMEngine:
         """One engine step. Returns an output for every request that got new tokens, or with
         finished_only (offline batch use) only for those that finished: building a streaming
         snapshot of each running request costs ~4 ms per 256-sequence step."""
+        if self.spec_decoder is not None:
+            with self._phase("propose"):
+                self.spec_decoder.propose(self.scheduler.running)
         with self._phase("schedule"):
             sched = self.scheduler.schedule()
         self._step_prompt_tokens = self._step_generation_tokens = 0
@@ -228,8 +236,8 @@ class LLMEngine:
     def _process_result(self, sched, result, finished_only: bool = False) -> list[RequestOutput]:
         for e in sched.scheduled:
             seq = e.seq
-            seq.num_computed_tokens = e.start + e.num_new_tokens
-            if e.num_new_tokens > 1 or e.start < seq.prompt_len:
+            seq.num_computed_tokens = e.start + e.num_new_tokens - e.num_spec_tokens
+            if (e.num_new_tokens > 1 and not e.num_spec_tokens) or e.start < seq.prompt_len:
                 self._step_prompt_tokens += e.num_new_tokens
         for e, entries in result.prompt_logprobs:
             req = e.seq.request
@@ -241,11 +249,31 @@ class LLMEngine:
             self._append_token(seq, tok, now)
             touched[seq.request.request_id] = seq.request
         self._step_generation_tokens = len(result.sampled)
+        for e, verdict in result.verified:
+            self._step_generation_tokens += self._append_verified(e.seq, verdict, now)
+            touched[e.seq.request.request_id] = e.seq.request
         outputs = [self._make_output(req) for req in touched.values() if req.finished or not finished_only]
         for req in touched.values():
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _append_verified(self, seq: Sequence, verdict, now: float) -> int:
+        """Append a verified run (accepted drafts, then the target's token) until the sequence stops;
+        the KV of rejected drafts is dropped (computed count and blocks rolled back)."""
+        n = seq.num_tokens
+        appended = 0
+        for tok in verdict.tokens:
+            self._append_token(seq, tok, now)
+            appended += 1
+            if seq.finished:
+                break
+        seq.spec_token_ids = []
+        if not seq.finished:
+            seq.num_computed_tokens = n + verdict.num_accepted  # the accepted drafts' KV is the tokens' KV
+            self.block_manager.trim(seq, seq.num_tokens)
+        self.spec_decoder.on_verified(seq, verdict)
+        return appended
 
     def _append_token(self, seq: Sequence, tok, now: float) -> None:
         p = seq.params
@@ -278,6 +306,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, text_upto: int | None = None) -> None:
         """text_upto=-1: the last token (a stop token) adds no text."""
         if seq.status is not SequenceStatus.FINISHED:
+            if self.spec_decoder is not None:
+                self.spec_decoder.release(seq)
             if reason != "abort":
                 self.scheduler.remove(seq)
             seq.status = SequenceStatus.FINISHED

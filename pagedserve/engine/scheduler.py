@@ -23,6 +23,9 @@ class ScheduledSeq:
     num_new_tokens: int
     # the KV of tokens [start, start + num_new_tokens) is computed this step
     start: int
+    # speculative decoding: the last num_spec_tokens of the new tokens are seq.spec_token_ids
+    # (drafts after the sequence's last token), verified by this step's forward
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -73,6 +76,17 @@ class Scheduler:
         self.num_preemptions += 1
         seq.request.metrics.num_preemptions += 1
 
+    def _num_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many of seq's draft tokens run this step: only after a decode's one new token, within
+        the token budget, and none when the pool cannot hold them (drafts never cause preemption)."""
+        if n != 1 or not seq.spec_token_ids:
+            return 0
+        drafts = min(len(seq.spec_token_ids), budget - 1)
+        if not self.bm.can_grow(seq, seq.num_tokens + drafts):
+            drafts = 0
+        del seq.spec_token_ids[drafts:]
+        return drafts
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -87,7 +101,8 @@ class Scheduler:
             if n <= 0:
                 still_running.append(seq)
                 continue
-            target = seq.num_computed_tokens + n
+            drafts = self._num_drafts(seq, n, budget)
+            target = seq.num_computed_tokens + n + drafts
             while not bm.can_grow(seq, target):
                 if queue:
                     self._preempt(queue.pop(), out)
@@ -98,9 +113,9 @@ class Scheduler:
             if seq is None:
                 break
             bm.grow(seq, target)
-            bm.commit_blocks(seq, target, seq.request.lora_key)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
-            budget -= n
+            bm.commit_blocks(seq, target - drafts, seq.request.lora_key)  # drafts are never hashed
+            out.scheduled.append(ScheduledSeq(seq, n + drafts, seq.num_computed_tokens, drafts))
+            budget -= n + drafts
             still_running.append(seq)
         self.running = still_running
 

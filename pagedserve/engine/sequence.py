@@ -39,7 +39,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "index", "token_ids", "prompt_len", "status", "num_computed_tokens",
         "block_table", "num_hashed_blocks", "last_block_key", "generator", "logprobs",
-        "cumulative_logprob", "finish_reason", "stop_reason", "detok", "admit_order",
+        "cumulative_logprob", "finish_reason", "stop_reason", "detok", "admit_order", "spec_token_ids", "spec",
     )
 
     def __init__(self, request: "Request", index: int, prompt_token_ids: list[int]):
@@ -60,6 +60,8 @@ class Sequence:
         self.stop_reason = None
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer
         self.admit_order = 0
+        self.spec_token_ids: list[int] = []  # draft tokens to verify after the next token (spec/)
+        self.spec = None  # the speculative decoder's per-sequence state (spec/decoder.py)
 
     @property
     def params(self) -> SamplingParams:
@@ -87,6 +89,7 @@ class Sequence:
         self.block_table = []
         self.num_hashed_blocks = 0
         self.last_block_key = None
+        self.spec_token_ids = []
         self.status = SequenceStatus.WAITING
 
 

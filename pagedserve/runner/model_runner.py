@@ -17,11 +17,13 @@ from pagedserve.runner.sampler import SampledToken, Sampler, SamplingBatch
 
 
 class StepResult:
-    __slots__ = ("sampled", "prompt_logprobs")
+    __slots__ = ("sampled", "prompt_logprobs", "verified")
 
     def __init__(self):
         self.sampled: list[tuple] = []  # (ScheduledSeq, SampledToken) for sequences that produced a token
         self.prompt_logprobs: list[tuple] = []  # (ScheduledSeq, list of per-position entries)
+        # speculative decoding: (ScheduledSeq, Verdict) for sequences whose drafts were verified
+        self.verified: list[tuple] = []
 
 
 class ModelRunner:
@@ -55,7 +57,9 @@ class ModelRunner:
         total = int(cu[-1])
         ids: list[int] = []
         for e in entries:
-            ids.extend(e.seq.token_ids[e.start:e.start + e.num_new_tokens])
+            ids.extend(e.seq.token_ids[e.start:e.start + e.num_new_tokens - e.num_spec_tokens])
+            if e.num_spec_tokens:
+                ids.extend(e.seq.spec_token_ids[:e.num_spec_tokens])
         seq_of_token = np.repeat(np.arange(n_seqs), q_lens)
         positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, q_lens)
         seq_lens = starts + q_lens
@@ -129,7 +133,19 @@ class ModelRunner:
     def _sample(self, entries, hidden, cu, phase) -> StepResult:
         result = StepResult()
 
-        sampling = [(i, e) for i, e in enumerate(entries) if e.start + e.num_new_tokens == e.seq.num_tokens]
+        sampling = [(i, e) for i, e in enumerate(entries)
+                    if e.start + e.num_new_tokens == e.seq.num_tokens and not e.num_spec_tokens]
+        speculating = [(i, e) for i, e in enumerate(entries) if e.num_spec_tokens]
+        if speculating:
+            from pagedserve.spec.verifier import verify
+
+            with phase("verify"):  # every position of every draft, one LM head call
+                rows = torch.tensor([r for i, e in speculating
+                                     for r in range(int(cu[i + 1]) - e.num_spec_tokens - 1, int(cu[i + 1]))],
+                                    device=self.device)
+                verdicts = verify(self.model, self.sampler, hidden[rows], [e.seq for _, e in speculating],
+                                  self.vocab_size, self.device)
+                result.verified = [(e, v) for (_, e), v in zip(speculating, verdicts)]
         if sampling:
             with phase("sample"):
                 batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.device)

@@ -121,34 +121,55 @@ class Sampler:
         if batch.argmax_only:
             return [SampledToken(t) for t in _argmax(logits).tolist()]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-        if batch.penalty_rows:
-            self._apply_penalties(logits, batch)
-        if batch.processed_rows:
-            self._apply_logits_processing(logits, batch)
-        for i, ids in batch.min_token_masks:
-            logits[i, ids] = _NEG_INF
+        self.adjust_logits(logits, batch)
         if batch.all_greedy:
             tokens = _argmax(logits)
         else:
             greedy_tokens = _argmax(logits)
-            logits.div_(batch.temperature[:, None])
-            if batch.top_k is not None or batch.top_p is not None:
-                self._top_k_top_p(logits, batch.top_k, batch.top_p)
-            probs = torch.softmax(logits, dim=-1)
-            if batch.min_p is not None:
-                top = probs.max(dim=-1, keepdim=True).values
-                probs = probs.masked_fill(probs < top * batch.min_p[:, None], 0.0)
-            noise = torch.empty_like(probs).exponential_()
-            for i in batch.seeded_rows:
-                noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(
-                    generator=self._generator(batch.seqs[i])).to(probs.device)
-            sampled = (probs / noise).argmax(dim=-1)
+            probs = self.probs(logits, batch)
+            sampled = (probs / self.exponential_noise(probs, batch)).argmax(dim=-1)
             tokens = torch.where(batch.greedy_rows, greedy_tokens, sampled)
         token_list = tokens.tolist()
         out = [SampledToken(t) for t in token_list]
         if raw_logprobs is not None:
             self._fill_logprobs(out, raw_logprobs, tokens, batch)
         return out
+
+    def adjust_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """Penalties and min_tokens masks, in place (before any argmax or temperature)."""
+        if batch.penalty_rows:
+            self._apply_penalties(logits, batch)
+        if batch.processed_rows:
+            self._apply_logits_processing(logits, batch)
+        for i, ids in batch.min_token_masks:
+            logits[i, ids] = _NEG_INF
+
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution a sampled row draws from: temperature, top-k / top-p, softmax, min-p
+        (min-p's cut leaves the rows unnormalised). Scales logits in place."""
+        logits.div_(batch.temperature[:, None])
+        if batch.top_k is not None or batch.top_p is not None:
+            self._top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if batch.min_p is not None:
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < top * batch.min_p[:, None], 0.0)
+        return probs
+
+    def exponential_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Exp(1) noise for argmax(p / noise) sampling; seeded rows draw from their own generator."""
+        noise = torch.empty_like(probs).exponential_()
+        for i in batch.seeded_rows:
+            noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(
+                generator=self._generator(batch.seqs[i])).to(probs.device)
+        return noise
+
+    def uniform(self, n: int, batch: SamplingBatch, device) -> torch.Tensor:
+        """U(0, 1) per row (speculative decoding's acceptance test); seeded rows use their generator."""
+        u = torch.rand(n, device=device)
+        for i in batch.seeded_rows:
+            u[i] = torch.rand(1, generator=self._generator(batch.seqs[i])).item()
+        return u
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k, top_p) -> None:
