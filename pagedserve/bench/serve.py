@@ -471,11 +471,21 @@ async def _main(args) -> int:
         f"dataset {args.dataset}, rate {rate}, max concurrency {args.max_concurrency or 'unbounded'}",
         file=sys.stderr,
     )
+    from pagedserve.bench import spec_metrics
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), trust_env=False) as s:
+        spec_before = await spec_metrics.scrape(s, base_url, headers)
     records, duration, timed_out = await run_benchmark(
         requests, base_url=base_url, model=model, endpoint=args.endpoint, args=args, headers=headers
     )
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), trust_env=False) as s:
+        spec = spec_metrics.summarize(spec_before, await spec_metrics.scrape(s, base_url, headers))
     result = report.build_result(config, records, duration, slos, timed_out=timed_out)
+    if spec is not None:  # the server speculates and says how well
+        result["spec_decode"] = spec
     print(report.format_table(result))
+    if spec is not None:
+        print(spec_metrics.format_lines(spec))
     if (why := report.failure_line(result)) is not None:
         print(why, file=sys.stderr)
     if args.result_json:

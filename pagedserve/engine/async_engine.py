@@ -104,6 +104,7 @@ class AsyncEngine:
         self._log_gen = 0
         self._log_q = getattr(self._stats, "prefix_cache_queries", 0) or 0
         self._log_h = getattr(self._stats, "prefix_cache_hits", 0) or 0
+        self._log_spec = getattr(self._stats, "spec_decode", None)
 
     # ------------------------------------------------------------------ construction / lifecycle
     @classmethod
@@ -418,7 +419,21 @@ class AsyncEngine:
             getattr(stats, "num_running", 0), getattr(stats, "num_waiting", 0),
             100.0 * (getattr(stats, "kv_cache_usage", 0.0) or 0.0), hit,
         )
+        sd = getattr(stats, "spec_decode", None)
+        if sd is not None:
+            logger.info("%s", _spec_log_line(sd, self._log_spec))
+            self._log_spec = sd
         self._log_t = now
         self._log_prompt = self._log_gen = 0
         self._log_q, self._log_h = q, h
 
+
+def _spec_log_line(now, before) -> str:
+    """Speculative decoding over the last log interval, as vLLM's SpecDecoding metrics line."""
+    drafts = now.num_drafts - (before.num_drafts if before else 0)
+    drafted = now.num_draft_tokens - (before.num_draft_tokens if before else 0)
+    accepted = now.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
+    mean_len = 1.0 + accepted / drafts if drafts else 0.0
+    rate = 100.0 * accepted / drafted if drafted else 0.0
+    return (f"SpecDecoding metrics: Mean acceptance length: {mean_len:.2f}, Accepted: {accepted} tokens, "
+            f"Drafted: {drafted} tokens, Draft acceptance rate: {rate:.1f}%")

@@ -30,6 +30,21 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def prepare_cpu_model(model, device: torch.device, max_num_seqs: int) -> None:
+    """Prepack a loaded model's linears for this CPU and attach the screened greedy head."""
+    if device.type != "cpu" or os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") == "0":
+        return
+    from pagedserve.model.cpu_linear import pack_linears
+
+    n, path = pack_linears(model, batch_hint=min(max_num_seqs, 256))
+    log.info("prepacked %d linear layers for %s", n, path)
+    from pagedserve.model import greedy_head
+
+    screen = greedy_head.attach(model)
+    if screen:
+        log.info("%s", screen)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate_static()
@@ -57,16 +72,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         config.resolve(model_max_len=self.spec.max_position_embeddings, sliding_window=self.spec.sliding_window)
         self.dtype = next(loaded.model.parameters()).dtype
-        if self.device.type == "cpu" and os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") != "0":
-            from pagedserve.model.cpu_linear import pack_linears
-
-            n, path = pack_linears(loaded.model, batch_hint=min(config.max_num_seqs, 256))
-            log.info("prepacked %d linear layers for %s", n, path)
-            from pagedserve.model import greedy_head
-
-            screen = greedy_head.attach(loaded.model)
-            if screen:
-                log.info("%s", screen)
+        prepare_cpu_model(loaded.model, self.device, config.max_num_seqs)
         if config.served_model_name is None:
             config.served_model_name = config.model
         self.validator = RequestValidator.for_engine(config, self.spec.vocab_size, self.tokenizer,
@@ -350,4 +356,5 @@ class LLMEngine:
             prefix_cache_hits=bm.hit_tokens, step_prompt_tokens=self._step_prompt_tokens,
             step_generation_tokens=self._step_generation_tokens,
             num_waiting_tokens=sum(s.num_tokens for s in sch.waiting),
+            spec_decode=self.spec_decoder.stats.snapshot() if self.spec_decoder is not None else None,
         )

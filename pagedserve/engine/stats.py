@@ -17,3 +17,4 @@ class EngineStats:
     step_prompt_tokens: int  # prompt tokens computed in the last step
     step_generation_tokens: int  # tokens generated in the last step
     num_waiting_tokens: int = 0  # prompt tokens of waiting requests (admission control)
+    spec_decode: object = None  # speculative decoding's cumulative counters (spec/decoder.SpecStats), when on

@@ -66,7 +66,7 @@ class ModelRunner:
         max_blocks = int(-(-seq_lens.max() // bs))
         tables = np.zeros((n_seqs, max_blocks), dtype=np.int64)
         for i, e in enumerate(entries):
-            bt = e.seq.block_table
+            bt = e.seq.block_table[:max_blocks]  # a draft model's shadow may hold blocks for later steps
             tables[i, :len(bt)] = bt
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
 

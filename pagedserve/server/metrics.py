@@ -74,6 +74,17 @@ class StepCostModel:
         return flops, read, float(self.kv_bytes_per_token * computed_tokens)
 
 
+def _spec_decode_metrics(sd, name: str, c):
+    yield c("spec_decode_num_drafts", "Verifications of draft tokens (one per sequence and step).", sd.num_drafts)
+    yield c("spec_decode_num_draft_tokens", "Draft tokens proposed.", sd.num_draft_tokens)
+    yield c("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sd.num_accepted_tokens)
+    f = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position.",
+                            labels=["model_name", "position"])
+    for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
+        f.add_metric([name, str(pos)], float(n))
+    yield f
+
+
 class _StatsCollector:
     """Gauges and engine-cumulative counters, read from the engine's stats snapshot on scrape."""
 
@@ -119,6 +130,9 @@ class _StatsCollector:
             info = InfoMetricFamily(PREFIX + "cache_config", "The KV cache's configuration.")
             info.add_metric([], self.m.cache_config)
             yield info
+        sd = getattr(s, "spec_decode", None)
+        if sd is not None:  # speculative decoding on: vLLM's spec_decode_* counters
+            yield from _spec_decode_metrics(sd, name, c)
 
 
 class ServerMetrics(EngineObserver):

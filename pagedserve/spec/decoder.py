@@ -24,6 +24,11 @@ class SpecStats:
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * k
 
+    def snapshot(self) -> "SpecStats":
+        copy = SpecStats(0)
+        copy.__dict__.update(self.__dict__, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+        return copy
+
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verification: the accepted drafts plus the target's own token."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
@@ -97,10 +102,10 @@ class SpeculativeDecoder:
         if (state.recent_drafted >= cfg.acceptance_window
                 and state.recent_accepted < cfg.acceptance_disable_threshold * state.recent_drafted):
             state.disabled = True  # drafting for it costs more than it saves
-            self.proposer.release(seq)
+            self.proposer.release(seq, finished=False)
 
     def release(self, seq) -> None:
-        self.proposer.release(seq)
+        self.proposer.release(seq, finished=True)
         seq.spec_token_ids = []
 
 

@@ -32,5 +32,5 @@ class NgramProposer:
                 return token_ids[start:start + k]
         return []
 
-    def release(self, seq) -> None:
+    def release(self, seq, finished: bool = True) -> None:
         pass
