@@ -25,7 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories-valid-sample.txt"
+_SAMPLE = Path("shared") / "data" / "tinystories-valid-sample.txt"
+# ../shared beside the checkout (a worktree may sit one level deeper)
+DATA = next((d / _SAMPLE for d in Path(__file__).resolve().parents if (d / _SAMPLE).is_file()), _SAMPLE)
 
 
 def passages(n: int, words: int) -> list[str]:
