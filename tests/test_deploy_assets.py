@@ -109,8 +109,11 @@ def image_server(llama_dir):
     exe = VENV_BIN / entry[0]
     assert exe.exists(), f"{entry[0]} is not installed in the project's venv ({VENV_BIN})"
     port = free_port()
+    # speculative decoding (n-gram, no draft model) on, so the spec_decode_* families are exported too
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
     cmd = [str(exe), *entry[1:], "--model", str(llama_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--num-gpu-blocks-override", "64", "--num-threads", "1", "--disable-log-requests"]
+           "--num-gpu-blocks-override", "64", "--num-threads", "1", "--disable-log-requests",
+           "--speculative-config", spec]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log = tempfile.NamedTemporaryFile("w+", prefix="pagedserve-image-", suffix=".log")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
@@ -198,7 +201,7 @@ def test_dashboard_and_alerts_read_only_metrics_the_server_exports(image_server)
     assert not missing, f"queried but not exported: {missing}"
     titles = " | ".join(t for t, _ in dashboard_queries()).lower()
     for topic in ("throughput", "time to first token", "inter-token", "end-to-end", "kv cache usage", "preemptions",
-                  "prefix-cache hit rate", "queue depth", "per model"):
+                  "prefix-cache hit rate", "queue depth", "per model", "spec-decode acceptance"):
         assert topic in titles, f"dashboard has no {topic!r} panel"
     # the HPA's metric is the adapter's rename of a series the server exports
     adapter = yaml.safe_load((DEPLOY / "k8s" / "prometheus-adapter" / "values.yaml").read_text())
