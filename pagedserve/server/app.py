@@ -40,6 +40,8 @@ from pagedserve.server.serving_base import ServingContext, default_ping_seconds
 from pagedserve.server.serving_completions import OpenAIServingCompletion
 from pagedserve.server.serving_responses import OpenAIServingResponses
 from pagedserve.server.tgi.router import register_tgi
+from pagedserve.server.web import is_public_path, mount_web_ui
+from pagedserve.server.web.engine_config import engine_configuration
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -88,7 +90,8 @@ class APIKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope.get("path", "") in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or path in OPEN_PATHS or is_public_path(path):
             return await self.app(scope, receive, send)
         auth = b""
         for k, v in scope.get("headers") or ():
@@ -180,7 +183,11 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        if app.state.stats_feed is not None:
+            app.state.stats_feed.start()
         yield
+        if app.state.stats_feed is not None:
+            await app.state.stats_feed.stop()
         await async_engine.shutdown(timeout=shutdown_timeout)
 
     app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
@@ -275,5 +282,17 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
         return Response(content=body, media_type=ctype)
 
     register_tgi(app, ctx, args)  # TGI's routes, flags and metric names
+
+    app.state.stats_feed = None
+    if not getattr(args, "disable_web_ui", False):
+        def shutting_down() -> bool:  # uvicorn's graceful stop (cli.py sets http_server) or the engine's
+            server = getattr(app.state, "http_server", None)
+            return bool(getattr(server, "should_exit", False)) or not async_engine.accepting
+
+        app.state.stats_feed = mount_web_ui(
+            app, read_metrics=lambda: metrics.render()[0], api_key_required=bool(api_key),
+            configuration=lambda kv_blocks: engine_configuration(async_engine, args, names, _version(), kv_blocks,
+                                                                 bool(api_key)),
+            alive=async_engine.is_alive, shutting_down=shutting_down)
 
     return app

@@ -27,6 +27,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--chat-template", type=str, default=None,
                    help="Jinja chat template (a file or the template text) overriding the tokenizer's")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--disable-web-ui", action="store_true",
+                   help="do not serve the browser page (dashboard, chat playground, configuration) at /")
     g.add_argument("--disable-log-stats", action="store_true", help="do not log throughput every 10 s")
     g.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="answer 503 + Retry-After when this many requests already wait (default: unlimited)")
@@ -142,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
     )
     server = uvicorn.Server(uv_config)
+    app.state.http_server = server  # the web page's live feeds end when uvicorn starts its graceful stop
     try:
         server.run()
     except SystemExit as e:
