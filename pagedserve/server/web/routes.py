@@ -38,11 +38,10 @@ def mount_web_ui(app: FastAPI, *, read_metrics: Callable[[], bytes], configurati
     `read_metrics` is what /metrics serves; `configuration(num_kv_blocks)` builds /ui/config;
     `shutting_down()` ends open feeds so that a graceful stop is not held up by an open page."""
     feed = StatsFeed(read_metrics, alive=alive)
-    page = _page(api_key_required)
 
     @app.get("/", include_in_schema=False)
     async def index():
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(_page(api_key_required), headers={"Cache-Control": "no-cache"})
 
     app.mount(PUBLIC_PREFIX.rstrip("/"), StaticFiles(directory=str(STATIC_DIR)), name="ui-static")
 

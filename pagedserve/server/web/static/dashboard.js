@@ -23,7 +23,7 @@ const GAUGES = [
   { id: "preemptions", label: "Preemptions", value: (s) => s.preemptions_total, format: fmt.int },
 ];
 
-const percentiles = (key) => ["p50", "p90", "p99"].map((p) => ({ label: p, value: ms(q(key, p)) }));
+const percentiles = (key, scale = ms) => ["p50", "p90", "p99"].map((p) => ({ label: p, value: scale(q(key, p)) }));
 const CHARTS = [
   { id: "throughput", title: "Tokens / s", series: [
     { label: "in (prompt)", value: (s) => s.prompt_tps }, { label: "out (generated)", value: (s) => s.generation_tps }] },
@@ -34,7 +34,7 @@ const CHARTS = [
     series: [{ label: "hits", value: pct("prefix_hit_rate") }] },
   { id: "ttft", title: "Time to first token, ms (last minute)", series: percentiles("ttft") },
   { id: "itl", title: "Inter-token latency, ms (last minute)", series: percentiles("itl") },
-  { id: "e2e", title: "End-to-end latency, ms (last minute)", series: percentiles("e2e") },
+  { id: "e2e", title: "End-to-end latency, s (last minute)", series: percentiles("e2e", (f) => f) },
   { id: "preemptions", title: "Preemptions / s", series: [{ label: "preemptions", value: (s) => s.preemptions_ps }] },
 ];
 
