@@ -43,14 +43,14 @@ function chartWidth(box) {
 }
 
 function makeChart(spec, box) {
-  const axisValues = (u, vals) => vals.map((v) => (v >= 1000 ? (v / 1000).toFixed(1) + "k" : String(+v.toFixed(2))));
+  const axisValues = (u, vals) => vals.map((v) => (v >= 1000 ? +(v / 1000).toFixed(1) + "k" : String(+v.toFixed(2))));
   const opts = {
     width: chartWidth(box),
     height: 130,
     legend: { show: true, live: false },
     cursor: { drag: { x: false, y: false } },
     scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, spec.max || Math.max(1, hi * 1.1)] } },
-    axes: [{ space: 70, size: 28 }, { size: 44, values: axisValues }],
+    axes: [{ space: 70, size: 28 }, { size: 50, values: axisValues }],
     series: [{}, ...spec.series.map((s, i) => ({ label: s.label, stroke: COLORS[i], width: 1.5, spanGaps: false }))],
   };
   return new uPlot(opts, [[], ...spec.series.map(() => [])], box);
