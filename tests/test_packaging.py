@@ -34,3 +34,12 @@ def test_native_sources_and_their_local_includes_are_package_data():
         for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', src.read_text(), re.M):
             todo.append((src.parent / name).resolve())
     assert any(p.suffix == ".h" for p in seen)  # the walk followed includes
+
+
+def test_web_page_files_are_package_data():
+    """The page at / is served from the installed package: every static file must ship."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve"]
+    static = [p for p in (PACKAGE / "server" / "web" / "static").rglob("*") if p.is_file()]
+    assert any(p.name == "index.html" for p in static) and any(p.name == "uPlot.iife.min.js" for p in static)
+    missing = [str(p.relative_to(ROOT)) for p in static if not _shipped(p, patterns)]
+    assert not missing, f"not in pyproject's package-data (a wheel would lack them): {missing}"
