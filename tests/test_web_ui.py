@@ -227,6 +227,7 @@ def test_api_key_page_shows_nothing_until_the_key_is_entered(keyed_server, llama
     assert httpx.get(srv.url("/ui/static/main.js")).status_code == 200
     assert httpx.get(srv.url("/ui/stats")).status_code == 401
     assert httpx.get(srv.url("/ui/config")).status_code == 401
+    assert httpx.post(srv.url("/"), json={"inputs": "Hi"}).status_code == 401  # only GET of the page is open
     cfg = httpx.get(srv.url("/ui/config"), headers=srv.headers)
     assert cfg.status_code == 200 and KEY not in cfg.text
     assert {"flag": "--api-key", "value": "(set)", "default": None, "changed": True} in cfg.json()["flags"]

@@ -40,7 +40,7 @@ from pagedserve.server.serving_base import ServingContext, default_ping_seconds
 from pagedserve.server.serving_completions import OpenAIServingCompletion
 from pagedserve.server.serving_responses import OpenAIServingResponses
 from pagedserve.server.tgi.router import register_tgi
-from pagedserve.server.web import is_public_path, mount_web_ui
+from pagedserve.server.web import is_public_request, mount_web_ui
 from pagedserve.server.web.engine_config import engine_configuration
 
 logger = logging.getLogger("pagedserve.server")
@@ -91,7 +91,8 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or path in OPEN_PATHS or is_public_path(path):
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or path in OPEN_PATHS \
+                or is_public_request(scope.get("method"), path):
             return await self.app(scope, receive, send)
         auth = b""
         for k, v in scope.get("headers") or ():

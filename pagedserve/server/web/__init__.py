@@ -5,6 +5,6 @@ itself and its static files carry no data and stay reachable without the API key
 routes below (/ui/stats, /ui/config) are behind the key like every /v1 route, so behind
 --api-key the page asks for the key before it can show anything.
 """
-from pagedserve.server.web.routes import PUBLIC_PREFIX, is_public_path, mount_web_ui
+from pagedserve.server.web.routes import PUBLIC_PREFIX, is_public_request, mount_web_ui
 
-__all__ = ["PUBLIC_PREFIX", "is_public_path", "mount_web_ui"]
+__all__ = ["PUBLIC_PREFIX", "is_public_request", "mount_web_ui"]

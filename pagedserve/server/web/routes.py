@@ -21,9 +21,10 @@ STATIC_DIR = resources.files("pagedserve.server.web") / "static"
 KEEPALIVE_S = 5.0
 
 
-def is_public_path(path: str) -> bool:
-    """The page and its static files: no data in them, so no key needed to load them."""
-    return path == "/" or path.startswith(PUBLIC_PREFIX)
+def is_public_request(method: str | None, path: str) -> bool:
+    """GET of the page or its static files: no data in them, so no key needed to load them.
+    Only GET/HEAD: other routes share the path (TGI's POST / generates, behind the key)."""
+    return method in ("GET", "HEAD") and (path == "/" or path.startswith(PUBLIC_PREFIX))
 
 
 def _page(api_key_required: bool) -> str:
