@@ -77,4 +77,5 @@ def test_disable_web_ui_removes_the_page_and_its_routes():
             return [(await h.get(path)).status_code for path in ("/", "/ui/static/main.js", "/ui/config")]
 
     assert asyncio.run(get_all(_stub_app(disable=False))) == [200, 200, 200]
-    assert asyncio.run(get_all(_stub_app(disable=True))) == [404, 404, 404]
+    page, static, config = asyncio.run(get_all(_stub_app(disable=True)))
+    assert page in (404, 405) and static == 404 and config == 404  # 405: TGI's POST / is still there
