@@ -43,8 +43,8 @@ def make_prompts(llm, texts: list[str], plain: bool) -> list[dict]:
             ids = tok.encode(f"{t}\n\n{t}\n\n")
         else:
             msg = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{t}"}]
-            ids = tok.apply_chat_template(msg, tokenize=True, add_generation_prompt=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            text = tok.apply_chat_template(msg, tokenize=False, add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)  # the template writes its own special tokens
         out.append({"prompt_token_ids": ids})
     return out
 
