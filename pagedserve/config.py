@@ -42,6 +42,7 @@ class EngineConfig:
     # speculative decoding: None, or a dict / JSON string with vLLM's keys (pagedserve/spec/config.py);
     # validate_static turns it into a SpeculativeConfig
     speculative_config: object = None
+    quantization: str | None = None  # see pagedserve.quant: None = as the checkpoint is; "none" = dequantized
     # resolved at load time (not user knobs)
     extra: dict = field(default_factory=dict)
 
@@ -79,6 +80,9 @@ class EngineConfig:
         from pagedserve.spec.config import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        from pagedserve.quant import validate_flag
+
+        validate_flag(self.quantization)
 
     def resolve(self, model_max_len: int, sliding_window: int | None = None) -> None:
         """Fill the defaults that depend on the model and check the combinations."""

@@ -296,3 +296,16 @@ def test_a_gguf_file_is_planned_from_its_metadata(tmp_path, capsys, qtype):
     for key in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
         assert from_gguf["model"][key] == from_hf["model"][key], key
     assert from_gguf["settings"]["quantization"] == ("int8" if qtype else None)
+
+
+def test_quantization_method_names_count_their_bits(tmp_path, capsys):
+    d = write_config(tmp_path, LLAMA3_8B)
+    i4 = run_json(capsys, "--model", d, "--gpu", "H100", "--quantization", "int4")
+    awq = run_json(capsys, "--model", d, "--gpu", "H100", "--quantization", "awq")
+    assert awq["weights"]["bytes_total"] == i4["weights"]["bytes_total"]
+    assert any("--quantization awq: 4-bit" in w for w in awq["warnings"])
+    i8 = run_json(capsys, "--model", d, "--gpu", "H100", "--quantization", "int8")
+    assert run_json(capsys, "--model", d, "--gpu", "H100", "--quantization", "w8a8")["weights"] == i8["weights"]
+    gptq8 = write_config(tmp_path, {**LLAMA3_8B, "quantization_config": {"quant_method": "gptq", "bits": 8,
+                                                                                 "group_size": 128}}, name="g8")
+    assert run_json(capsys, "--model", gptq8, "--gpu", "H100", "--quantization", "gptq")["weights"] == i8["weights"]

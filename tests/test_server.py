@@ -404,10 +404,10 @@ def test_api_key_and_queue_limit(keyed_server):
 
 def test_unsupported_vllm_flag_exits_with_one_line(tmp_path):
     for module in (["-m", "pagedserve", "serve"], ["-m", "pagedserve.entrypoints.openai.api_server"]):
-        p = subprocess.run([sys.executable, *module, "--model", str(tmp_path), "--quantization", "awq"],
+        p = subprocess.run([sys.executable, *module, "--model", str(tmp_path), "--kv-cache-dtype", "fp8"],
                            capture_output=True, text=True, cwd=str(REPO), timeout=60)
         assert p.returncode == 2, p.stderr
-        assert p.stderr.strip() == "pagedserve does not support --quantization awq yet (only none)", p.stderr
+        assert p.stderr.strip() == "pagedserve does not support --kv-cache-dtype fp8 yet (only auto)", p.stderr
     p = subprocess.run([sys.executable, "-m", "pagedserve", "serve", "--model", str(tmp_path), "--enable-lora"],
                        capture_output=True, text=True, cwd=str(REPO), timeout=60)
     assert p.returncode == 2 and p.stderr.strip() == "pagedserve does not support --enable-lora yet"

@@ -17,6 +17,12 @@ import sys
 from pagedserve.config import EngineConfig
 
 
+def _quant_methods() -> tuple[str, ...]:
+    from pagedserve.quant import METHODS
+
+    return METHODS
+
+
 def _none_or_int(v: str) -> int | None:
     if v.lower() in ("none", "null", ""):
         return None
@@ -76,6 +82,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="older form: a draft model folder, or [ngram] (with --num-speculative-tokens)")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="older form: tokens drafted per step (with --speculative-model)")
+    g.add_argument("--quantization", "-q", type=str, default=None,
+                   help="weight quantization (vLLM's names): default the checkpoint's own (config.json "
+                        "quantization_config, or a GGUF's blocks); int8 / w8a8 quantize a full-precision model at "
+                        "load; none runs a quantized checkpoint dequantized. Supported: " + ", ".join(_quant_methods()))
     _add_unsupported_args(parser)
     return parser
 
@@ -84,7 +94,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # vLLM flags we recognise but do not support yet.
 # (flag(s), takes a value?, values that are fine because they mean "the default")
 _UNSUPPORTED: list[tuple[tuple[str, ...], bool, tuple[str, ...]]] = [
-    (("--quantization", "-q"), True, ("none",)),
     (("--enable-lora",), False, ()),
     (("--lora-modules",), True, ()),
     (("--max-loras",), True, ()),
@@ -173,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         revision=args.revision,
         generation_config=getattr(args, "generation_config", "auto"),
         speculative_config=_speculative_config(args),
+        quantization=getattr(args, "quantization", None),
     )
     cfg.validate_static()
     return cfg

@@ -67,11 +67,13 @@ class LLMEngine:
 
         t0 = time.time()
         loaded = load_model(config.model, dtype=config.dtype, device=self.device, max_positions=config.max_model_len,
-                            tokenizer=config.tokenizer, revision=config.revision)
+                            tokenizer=config.tokenizer, revision=config.revision, quantization=config.quantization)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         config.resolve(model_max_len=self.spec.max_position_embeddings, sliding_window=self.spec.sliding_window)
         self.dtype = next(loaded.model.parameters()).dtype
+        self.quantization = loaded.quantization
+        self.weight_bytes = self._log_weights(loaded)  # before prepacking, which keeps weights outside parameters
         prepare_cpu_model(loaded.model, self.device, config.max_num_seqs)
         if config.served_model_name is None:
             config.served_model_name = config.model
@@ -107,6 +109,19 @@ class LLMEngine:
             num_blocks * bytes_per_block(self.spec, config.block_size, self.dtype) / GiB,
             tokens / config.max_model_len, config.max_model_len,
         )
+
+    @staticmethod
+    def _log_weights(loaded) -> int:
+        from pagedserve.quant.builder import weight_bytes
+
+        total, quantized, layers = weight_bytes(loaded.model)
+        if loaded.quantization is None or loaded.quantization.dense:
+            what = "dense" if loaded.quantization is None else loaded.quantization.describe()
+            log.info("weights: %.1f MB (%s)", total / 1e6, what)
+        else:
+            log.info("weights: %.1f MB, of which %.1f MB in %d %s-quantized modules", total / 1e6,
+                     quantized / 1e6, layers, loaded.quantization.name)
+        return total
 
     def _num_kv_blocks(self, model) -> int:
         """KV-cache blocks: --num-gpu-blocks-override; on the CPU --kv-cache-space GiB; on CUDA a

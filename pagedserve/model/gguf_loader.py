@@ -9,7 +9,9 @@ What differs between a GGUF and a Hugging Face Llama checkpoint, and is undone h
 * tensor names (`blk.3.attn_q.weight` instead of `model.layers.3.self_attn.q_proj.weight`);
 * shape order: GGUF lists dimensions fastest-first (`ne[0]` is the row length), so the stored shape is
   the reverse of the PyTorch one;
-* quantization: tensors are dequantized to float32 with `gguf.quants.dequantize`;
+* quantization: tensors are dequantized to float32 with `gguf.quants.dequantize`, or, with
+  `keep_quantized`, 2-D weights in a block format pagedserve computes from (quant/gguf.py) stay as
+  their raw blocks in `GGUFCheckpoint.quantized`;
 * the q/k projections: llama.cpp's converter reorders the rows of each head so that its RoPE can rotate
   adjacent pairs (x0, x1), (x2, x3), ... while Hugging Face rotates the two halves of the head
   (x_i, x_{i+d/2}). `_unpermute_rows` puts them back;
@@ -67,6 +69,7 @@ class GGUFCheckpoint:
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     metadata: dict = field(default_factory=dict)  # scalar GGUF metadata (no big arrays)
     tensor_types: dict = field(default_factory=dict)  # HF name -> GGML type name as stored ("Q4_1", ...)
+    quantized: dict = field(default_factory=dict)  # keep_quantized: HF name -> (type name, uint8 tensor [rows, bytes])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -400,8 +403,17 @@ def _build_tokenizer(md: dict, context_length: int | None):
 # entry point
 
 
-def load_gguf(path, tokenizer_dir=None) -> GGUFCheckpoint:
-    """Read a llama GGUF (a file, or a directory holding exactly one) into config, state dict, tokenizer."""
+def _raw_blocks(t) -> np.ndarray:
+    """A block-quantized tensor's bytes as uint8 [rows, bytes per row] (a copy: the map is closed later)."""
+    data = np.asarray(t.data)
+    rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+    return np.array(data.reshape(rows, -1), dtype=np.uint8, copy=True)
+
+
+def load_gguf(path, tokenizer_dir=None, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """Read a llama GGUF (a file, or a directory holding exactly one) into config, state dict, tokenizer.
+    keep_quantized: 2-D weights in a block format of quant.gguf.KEPT_TYPES go to `quantized` as
+    their raw blocks instead of the state dict."""
     import gguf
     import torch
 
@@ -423,10 +435,22 @@ def load_gguf(path, tokenizer_dir=None) -> GGUFCheckpoint:
     if n_head <= 0 or n_kv <= 0:
         raise GGUFError(f"{p}: GGUF metadata lacks a valid llama.attention.head_count / head_count_kv")
 
+    from pagedserve.quant.gguf import KEPT_TYPES
+
     state_dict: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, str] = {}
+    quantized: dict[str, tuple[str, torch.Tensor]] = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
+        if keep_quantized and t.tensor_type.name in KEPT_TYPES and len(t.shape) == 2:
+            raw = torch.from_numpy(_raw_blocks(t))
+            if name.endswith("self_attn.q_proj.weight"):
+                raw = _unpermute_rows(raw, n_head)
+            elif name.endswith("self_attn.k_proj.weight"):
+                raw = _unpermute_rows(raw, n_kv)
+            quantized[name] = (t.tensor_type.name, raw)
+            tensor_types[name] = t.tensor_type.name
+            continue
         arr = torch.from_numpy(_dequantize(t))
         if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
             arr = _unpermute_rows(arr, n_head)
@@ -436,17 +460,25 @@ def load_gguf(path, tokenizer_dir=None) -> GGUFCheckpoint:
         tensor_types[name] = t.tensor_type.name
     del reader
 
-    if "model.embed_tokens.weight" not in state_dict:
+    emb_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+    if emb_name not in state_dict and emb_name not in quantized:
         raise GGUFError(f"{p} has no token_embd.weight")
-    vocab_size = int(state_dict["model.embed_tokens.weight"].shape[0])
-    head = state_dict.get("lm_head.weight")
+    emb = state_dict.get(emb_name)
+    vocab_size = int(emb.shape[0] if emb is not None else quantized[emb_name][1].shape[0])
     # Tied when there is no separate output matrix, or when the file repeats the embedding verbatim
     # (llama2.c exports do): one fewer matrix in memory and the same model.
-    tied = head is None or (head.shape == state_dict["model.embed_tokens.weight"].shape
-                            and torch.equal(head, state_dict["model.embed_tokens.weight"]))
-    if tied and head is not None:
-        del state_dict["lm_head.weight"]
-        tensor_types.pop("lm_head.weight", None)
+    if head_name in quantized or emb_name in quantized:
+        a, b = quantized.get(head_name), quantized.get(emb_name)
+        has_head = head_name in quantized or head_name in state_dict
+        tied = not has_head or (a is not None and b is not None and a[0] == b[0] and torch.equal(a[1], b[1]))
+    else:
+        head = state_dict.get(head_name)
+        has_head = head is not None
+        tied = head is None or (head.shape == emb.shape and torch.equal(head, emb))
+    if tied and has_head:
+        state_dict.pop(head_name, None)
+        quantized.pop(head_name, None)
+        tensor_types.pop(head_name, None)
     attention_bias = any(k.endswith("self_attn.q_proj.bias") for k in state_dict)
     config = _build_config(md, vocab_size=vocab_size, tied=tied, attention_bias=attention_bias)
 
@@ -459,4 +491,4 @@ def load_gguf(path, tokenizer_dir=None) -> GGUFCheckpoint:
 
     scalar_md = {k: v for k, v in md.items() if k not in tok_arrays}
     return GGUFCheckpoint(path=p, config=config, state_dict=state_dict, tokenizer=tokenizer,
-                          metadata=scalar_md, tensor_types=tensor_types)
+                          metadata=scalar_md, tensor_types=tensor_types, quantized=quantized)

@@ -142,28 +142,40 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if upcast else logits
 
     # ---- weights ----------------------------------------------------------------------------
-    def load_hf_state_dict(self, tensors) -> None:
-        """tensors: name -> tensor (or a callable name -> tensor) in Hugging Face naming."""
+    def load_hf_state_dict(self, tensors, linears=None) -> None:
+        """tensors: name -> tensor (or a callable name -> tensor) in Hugging Face naming.
+        linears: a quant.builder.LinearBuilder for a quantized checkpoint: it returns the module for
+        each linear (and embedding) it stores quantized; the model never sees the format."""
         get = tensors if callable(tensors) else tensors.__getitem__
         spec = self.spec
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+            emb = linears.embedding(self.embed_tokens, "model.embed_tokens.weight") if linears else None
+            if emb is not None:
+                self.embed_tokens = emb
+            else:
+                self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
             self.norm.weight.copy_(get("model.norm.weight"))
-            self.lm_head.weight.copy_(get("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"))
+            self._load_linear(self, "lm_head", ["model.embed_tokens" if spec.tie_word_embeddings else "lm_head"], get,
+                              linears)
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                a = layer.self_attn
-                a.qkv_proj.weight.copy_(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                if spec.attention_bias:
-                    a.qkv_proj.bias.copy_(torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                a.o_proj.weight.copy_(get(p + "self_attn.o_proj.weight"))
-                if a.o_bias:
-                    a.o_proj.bias.copy_(get(p + "self_attn.o_proj.bias"))
-                m = layer.mlp
-                m.gate_up_proj.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
-                if spec.mlp_bias:
-                    m.gate_up_proj.bias.copy_(torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")]))
-                    m.down_proj.bias.copy_(get(p + "mlp.down_proj.bias"))
-                m.down_proj.weight.copy_(get(p + "mlp.down_proj.weight"))
+                a, m = layer.self_attn, layer.mlp
+                self._load_linear(a, "qkv_proj", [p + f"self_attn.{n}_proj" for n in "qkv"], get, linears)
+                self._load_linear(a, "o_proj", [p + "self_attn.o_proj"], get, linears)
+                self._load_linear(m, "gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], get, linears)
+                self._load_linear(m, "down_proj", [p + "mlp.down_proj"], get, linears)
                 layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+
+    @staticmethod
+    def _load_linear(owner: nn.Module, attr: str, prefixes: list[str], get, linears) -> None:
+        """The linear `owner.attr` from the checkpoint linears at `prefixes`, stacked along the output
+        (q/k/v, gate/up): quantized when `linears` builds it, else the dense weights copied in."""
+        layer = getattr(owner, attr)
+        built = linears.linear(layer, prefixes) if linears is not None else None
+        if built is not None:
+            setattr(owner, attr, built)
+            return
+        layer.weight.copy_(torch.cat([get(n + ".weight") for n in prefixes]))
+        if layer.bias is not None:
+            layer.bias.copy_(torch.cat([get(n + ".bias") for n in prefixes]))

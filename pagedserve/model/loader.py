@@ -35,6 +35,7 @@ class LoadedModel:
     tokenizer: object  # transformers PreTrainedTokenizerFast
     path: Path
     generation_eos_ids: list[int]
+    quantization: object = None  # quant.methods.QuantMethod, or None for a dense model
 
 
 def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -107,7 +108,11 @@ def _build(spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torc
 
 
 def load_model(model: str | os.PathLike, *, dtype: str, device: torch.device, max_positions: int | None = None,
-               tokenizer: str | None = None, revision: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, revision: str | None = None,
+               quantization: str | None = None) -> LoadedModel:
+    """quantization: the --quantization flag (None: whatever the checkpoint is; see pagedserve.quant)."""
+    from pagedserve import quant
+
     path = resolve_model_path(str(model), revision)
     gguf_file = None
     try:
@@ -119,27 +124,33 @@ def load_model(model: str | os.PathLike, *, dtype: str, device: torch.device, ma
     if gguf_file is not None:
         from pagedserve.model.gguf_loader import load_gguf
 
-        ck = load_gguf(gguf_file, tokenizer_dir=tokenizer)
+        method = quant.resolve(quantization, None, is_gguf=True)
+        keep = method is not None and not method.dense
+        ck = load_gguf(gguf_file, tokenizer_dir=tokenizer, keep_quantized=keep)
         spec = ModelSpec.from_hf_config(ck.config)
         tok = ck.tokenizer
         getter = ck.state_dict.__getitem__
         gen_eos: list[int] = []
+        linears = method.builder(getter, ck.quantized) if keep else None
     else:
         if not (path / "config.json").exists():
             raise ConfigError(f"{path} has no config.json (expected a Hugging Face model folder or a .gguf file)")
+        qcfg = json.loads((path / "config.json").read_text()).get("quantization_config")
+        method = quant.resolve(quantization, qcfg, is_gguf=False)
         spec, tok = _spec_and_tokenizer(path, tokenizer)
         getter = _safetensors_getter(path)
         gen_eos = _generation_eos(path)
+        linears = method.builder(getter) if method is not None else None
     # The engine checks prompt lengths against max_model_len itself; the tokenizer's own limit would
     # only add transformers' "Token indices sequence length is longer..." line to the server log.
     tok.model_max_length = 1 << 62
     torch_dtype = resolve_dtype(dtype, spec, device)
     n_pos = max(max_positions or 0, spec.max_position_embeddings)
     net = _build(spec, n_pos, torch_dtype, device)
-    net.load_hf_state_dict(getter)
+    net.load_hf_state_dict(getter, linears)
     net.eval()
     eos = list(dict.fromkeys(gen_eos + spec.eos_token_ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])))
-    return LoadedModel(net, spec, tok, path, eos)
+    return LoadedModel(net, spec, tok, path, eos, method)
 
 
 def _spec_and_tokenizer(path: Path, tokenizer: str | None):

@@ -76,6 +76,7 @@ def _declare_cpu_libraries() -> list["NativeLibrary"]:
     import pagedserve.model.attention.cpu_kernels  # noqa: F401
     import pagedserve.model.cpu_fused  # noqa: F401
     import pagedserve.model.cpu_gemm  # noqa: F401
+    import pagedserve.quant.cpu_kernels  # noqa: F401
 
     return list(_LIBRARIES)
 

@@ -6,7 +6,7 @@ import json
 import sys
 
 from pagedserve.plan.build import build_plan
-from pagedserve.plan.inputs import KV_DTYPE_BYTES, QUANTIZATIONS, PlanError
+from pagedserve.plan.inputs import KV_DTYPE_BYTES, QUANT_METHODS, QUANTIZATIONS, PlanError
 from pagedserve.plan.report import format_text
 
 
@@ -22,8 +22,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu", required=True, help="GPU name, e.g. H100-80GB, A100-40GB, L4 (unknown names list the known)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32", "half", "bf16"],
                    help="model dtype (auto: the checkpoint's; float32 checkpoints run in float16)")
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS) + ["none"],
-                   help="weight quantization of the linear layers (default: from config quantization_config, else none)")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS) + list(QUANT_METHODS) + ["none"],
+                   help="weight quantization of the linear layers: a size class (int8, int4, fp8) or the engine's "
+                        "method (awq, gptq, compressed-tensors: bits from config.json; w8a8: 8-bit) "
+                        "(default: from config quantization_config, else none)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (= model dtype), " + ", ".join(KV_DTYPE_BYTES))
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs per model replica")
     p.add_argument("--max-model-len", type=int, default=None,

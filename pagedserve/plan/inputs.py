@@ -17,7 +17,9 @@ TP_CANDIDATES = (1, 2, 4, 8)
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
 KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-QUANTIZATIONS = ("int8", "int4", "fp8")
+QUANTIZATIONS = ("int8", "int4", "fp8")  # the size classes plan's arithmetic knows
+# the engine's --quantization names (pagedserve.quant) → their size class; 4-or-8-bit formats read bits
+QUANT_METHODS = ("awq", "gptq", "compressed-tensors", "w8a8")
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 JSON_KEYS = (
@@ -119,17 +121,36 @@ def resolve_dtype(requested: str, config_dtype) -> tuple[str, str | None]:
     return "float16", f"config torch_dtype {config_dtype!r} not understood; assuming float16"
 
 
+def _bits(method: str, qcfg) -> int | None:
+    """The weight bits a quantization_config states (AutoAWQ/GPTQ `bits`/`w_bit`, compressed-tensors' groups)."""
+    if not isinstance(qcfg, dict):
+        return None
+    bits = qcfg.get("bits", qcfg.get("w_bit"))
+    if bits is None and method == "compressed-tensors":
+        groups = [g for g in (qcfg.get("config_groups") or {}).values() if isinstance(g, dict)]
+        found = {(g.get("weights") or {}).get("num_bits") for g in groups}
+        bits = found.pop() if len(found) == 1 else None
+    return bits if isinstance(bits, int) else None
+
+
 def resolve_quantization(requested: str | None, qcfg) -> tuple[str | None, int, str | None]:
-    """(quantization, int4 group size, note). An explicit flag wins; else read the config's quantization_config."""
+    """(quantization size class, int4 group size, note). An explicit flag wins; else read the config's
+    quantization_config. A method name (awq, gptq, ...) counts as its bits' class."""
     group = INT4_GROUP_SIZE
     if isinstance(qcfg, dict) and isinstance(qcfg.get("group_size"), int) and qcfg["group_size"] > 0:
         group = qcfg["group_size"]
+    if requested in QUANT_METHODS:
+        bits = 8 if requested == "w8a8" else (_bits(requested, qcfg) or 4)
+        if bits not in (4, 8):
+            raise PlanError(f"--quantization {requested} with {bits}-bit weights: plan models 4 and 8 bits")
+        q = "int4" if bits == 4 else "int8"
+        return q, group, f"--quantization {requested}: {bits}-bit weights, counted as {q}"
     if requested is not None:
         return (None if requested == "none" else requested), group, None
     if not qcfg:
         return None, group, None
     method = str(qcfg.get("quant_method", "")).lower() if isinstance(qcfg, dict) else ""
-    bits = qcfg.get("bits") if isinstance(qcfg, dict) else None
+    bits = _bits(method, qcfg)
     if method == "fp8":
         return "fp8", group, "quantization fp8 read from config.json quantization_config"
     if method in ("awq", "gptq", "marlin", "compressed-tensors", "gguf") and bits in (4, 8):
