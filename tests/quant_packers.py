@@ -120,3 +120,49 @@ def pack_checkpoint(src, out_dir, fmt: str, *, bits: int = 4, group: int = 32, s
     save_file(q_sd, str(qdir / "model.safetensors"), metadata={"format": "pt"})
     save_file(ref_sd, str(rdir / "model.safetensors"), metadata={"format": "pt"})
     return qdir, rdir
+
+
+def pack_per_channel(src, out_dir, fmt: str) -> tuple[Path, Path]:
+    """Per-output-channel schemes: compressed-tensors W8A8-int8 (`int-quantized`: int8 weight, scale
+    max|row| / 127, dynamic per-token int8 activations) and FP8 (`float-quantized`: e4m3 weight, scale
+    max|row| / 448), and vLLM's `fp8` checkpoint (one scale per tensor). The reference holds the
+    decoded weights (for w8a8, the weights only: its activations are quantized at run time)."""
+    from safetensors.torch import load_file, save_file
+
+    src, out_dir = Path(src), Path(out_dir)
+    sd = load_file(str(src / "model.safetensors"))
+    q_sd, ref_sd = dict(sd), dict(sd)
+    for prefix in _linears(sd):
+        w = sd[prefix + ".weight"].float()
+        if fmt == "w8a8-int8":
+            scale = w.abs().amax(1, keepdim=True) / 127
+            q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+            decoded = q.float() * scale
+        elif fmt == "ct-fp8":
+            scale = w.abs().amax(1, keepdim=True) / 448
+            q = (w / scale).to(torch.float8_e4m3fn)
+            decoded = q.float() * scale
+        elif fmt == "fp8":
+            scale = (w.abs().max() / 448).reshape(1)
+            q = (w / scale).to(torch.float8_e4m3fn)
+            decoded = q.float() * scale
+        else:
+            raise ValueError(fmt)
+        q_sd[prefix + ".weight"] = q
+        q_sd[prefix + ".weight_scale"] = scale
+        ref_sd[prefix + ".weight"] = decoded
+    if fmt == "fp8":
+        qcfg = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    else:
+        int8 = fmt == "w8a8-int8"
+        qcfg = {"quant_method": "compressed-tensors", "format": "int-quantized" if int8 else "float-quantized",
+                "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "int" if int8 else "float", "symmetric": True, "strategy": "channel",
+                    "dynamic": False}, "input_activations": {"num_bits": 8, "type": "int" if int8 else "float",
+                                                             "symmetric": True, "strategy": "token", "dynamic": True}}}}
+    qdir, rdir = out_dir / f"{fmt}-q", out_dir / f"{fmt}-ref"
+    _copy_base(src, qdir, qcfg)
+    _copy_base(src, rdir, None)
+    save_file(q_sd, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(ref_sd, str(rdir / "model.safetensors"), metadata={"format": "pt"})
+    return qdir, rdir

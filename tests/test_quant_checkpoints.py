@@ -34,6 +34,8 @@ CASES = {
     "gptq-4bit-sym-act-order": dict(fmt="gptq", bits=4, group=32, sym=True, act_order=True),
     "gptq-8bit-sym-g64": dict(fmt="gptq", bits=8, group=64, sym=True),
     "gptq-8bit-asym-act-order": dict(fmt="gptq", bits=8, group=32, act_order=True),
+    "ct-w4a16-g32": dict(fmt="compressed-tensors", bits=4, group=32, sym=True),
+    "ct-w8a16-g64": dict(fmt="compressed-tensors", bits=8, group=64, sym=True),
 }
 
 
@@ -54,6 +56,32 @@ def test_packed_checkpoint_same_tokens_as_its_dense_weights(tiny, tmp_path, case
         assert layer.mlp.down_proj.weight_q.perm is not None
     # --quantization none: the same checkpoint dequantized into the dense model
     assert _tokens(qdir, quantization="none")[0] == want
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8", "fp8", "w8a8-int8"])
+def test_per_channel_checkpoints(tiny, tmp_path, fmt):
+    """FP8 (compressed-tensors per channel, vLLM's per tensor) gives the dense tokens of its decoded
+    weights; W8A8-int8 quantizes activations too, so its first token per prompt is the check (the
+    linear itself is tested exactly in test_quant_linear.py)."""
+    from quant_packers import pack_per_channel
+
+    qdir, rdir = pack_per_channel(tiny, tmp_path, fmt)
+    got, engine = _tokens(qdir)
+    want, _ = _tokens(rdir)
+    down = engine.runner.model.layers[1].mlp.down_proj
+    if fmt == "w8a8-int8":
+        assert type(down).__name__ == "W8A8Linear"
+        assert [t[0] for t in got] == [t[0] for t in want]
+    else:
+        assert type(down).__name__ == "Fp8Linear" and down.weight_q.weight.dtype == torch.float8_e4m3fn
+        assert got == want
+
+
+def test_dynamic_fp8_from_full_precision(tiny):
+    got, engine = _tokens(tiny, quantization="fp8")
+    want, dense = _tokens(tiny)
+    assert engine.weight_bytes < dense.weight_bytes
+    assert [t[0] for t in got] == [t[0] for t in want]  # e4m3 keeps 3 mantissa bits: the first token holds
 
 
 def _corrupt(qdir, edit):

@@ -102,7 +102,7 @@ def test_flag_errors_are_one_line(tiny, tmp_path):
         _llm(path, quantization="int8")
     with pytest.raises(ConfigError, match="needs a gguf checkpoint"):
         _llm(tiny, quantization="gguf")
-    with pytest.raises(ConfigError, match=r"quantization='int3' is not supported; use one of awq, gptq, int8, w8a8, gguf"):
+    with pytest.raises(ConfigError, match=r"quantization='int3' is not supported; use one of awq, gptq, compressed-tensors, int8, w8a8, fp8, gguf"):
         _llm(tiny, quantization="int3")
     odd = tmp_path / "odd"
     import shutil

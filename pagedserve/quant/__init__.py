@@ -17,10 +17,10 @@ from __future__ import annotations
 from pagedserve.errors import ConfigError
 
 # --quantization values (vLLM's names) → the method that serves them
-METHODS = ("awq", "gptq", "int8", "w8a8", "gguf")
+METHODS = ("awq", "gptq", "compressed-tensors", "int8", "w8a8", "fp8", "gguf")
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
-FROM_FULL_PRECISION = ("int8", "w8a8")  # quantized at load, no prepared file
-CHECKPOINT_FORMATS = ("awq", "gptq", "gguf")  # read from a quantized checkpoint
+FROM_FULL_PRECISION = ("int8", "w8a8", "fp8")  # quantized at load, no prepared file
+CHECKPOINT_FORMATS = ("awq", "gptq", "compressed-tensors", "fp8", "gguf")  # read from a quantized checkpoint
 CHOICES = METHODS + tuple(ALIASES) + ("none",)
 
 

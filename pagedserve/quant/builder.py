@@ -136,8 +136,8 @@ def weight_bytes(model: nn.Module) -> tuple[int, int, int]:
         w = getattr(mod, "weight_q", None)
         if w is not None:
             layers += 1
-            if id(w.q) not in seen:
-                seen.add(id(w.q))
+            if id(w) not in seen:
+                seen.add(id(w))
                 quantized_bytes += mod.nbytes
             continue
         for t in mod.parameters(recurse=False):

@@ -39,6 +39,14 @@ class QuantMethod:
             from pagedserve.quant.gptq import GPTQFormat
 
             return GPTQFormat(get, self.config)
+        if self.name == "compressed-tensors":
+            from pagedserve.quant.compressed_tensors import CompressedTensorsFormat
+
+            return CompressedTensorsFormat(get, self.config)
+        if self.name == "fp8":
+            from pagedserve.quant.fp8 import DynamicFp8Format, Fp8Format
+
+            return Fp8Format(get, self.config) if self.config else DynamicFp8Format(get)
         raise AssertionError(self.name)
 
 
@@ -51,6 +59,14 @@ def method_for(name: str, qcfg: dict | None, dense: bool = False) -> QuantMethod
         check_config(method.config)
     elif name == "gptq":
         from pagedserve.quant.gptq import check_config
+
+        check_config(method.config)
+    elif name == "compressed-tensors":
+        from pagedserve.quant.compressed_tensors import parse
+
+        parse(method.config)
+    elif name == "fp8" and method.config:
+        from pagedserve.quant.fp8 import check_config
 
         check_config(method.config)
     return method
