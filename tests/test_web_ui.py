@@ -171,6 +171,11 @@ def test_burst_of_32_requests_moves_the_gauges_and_they_settle(default_server, p
     # the minute's latency percentiles now describe those 32 requests
     assert p.gauge("e2e-p50") > 0 and p.gauge("ttft-p50") > 0 and p.gauge("itl-p50") > 0
     assert p.page.locator("#charts canvas").count() == 8
+    # the doctor's findings over the same minute: a list (each with the flag to change) or "no problems"
+    doctor = p.page.locator('[data-testid="doctor"]')
+    assert p.page.locator(".diagnosis .change code").count() == int(doctor.get_attribute("data-count"))
+    if doctor.get_attribute("data-count") == "0":
+        assert "No problems" in doctor.inner_text()
     p.shot("dashboard-after-burst.png")
     assert p.errors == []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -294,6 +295,7 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
             app, read_metrics=lambda: metrics.render()[0], api_key_required=bool(api_key),
             configuration=lambda kv_blocks: engine_configuration(async_engine, args, names, _version(), kv_blocks,
                                                                  bool(api_key)),
-            alive=async_engine.is_alive, shutting_down=shutting_down)
+            alive=async_engine.is_alive, shutting_down=shutting_down,
+            doctor_config=lambda: {k: v for k, v in dataclasses.asdict(async_engine.config).items() if k != "extra"})
 
     return app

@@ -13,7 +13,8 @@ from fastapi.staticfiles import StaticFiles
 
 from pagedserve.server.serving_base import SSEResponse
 from pagedserve.server.web.engine_config import engine_configuration
-from pagedserve.server.web.stats_feed import StatsFeed, parse_exposition
+from pagedserve.doctor.scrape import Scrape
+from pagedserve.server.web.stats_feed import PREFIX, StatsFeed
 
 PUBLIC_PREFIX = "/ui/static/"
 STATIC_DIR = resources.files("pagedserve.server.web") / "static"
@@ -33,12 +34,14 @@ def _page(api_key_required: bool) -> str:
 
 
 def mount_web_ui(app: FastAPI, *, read_metrics: Callable[[], bytes], configuration: Callable[[float | None], dict],
-                 api_key_required: bool, alive: Callable[[], bool], shutting_down: Callable[[], bool]) -> StatsFeed:
+                 api_key_required: bool, alive: Callable[[], bool], shutting_down: Callable[[], bool],
+                 doctor_config: Callable[[], dict]) -> StatsFeed:
     """Add the page's routes to `app`; returns the stats feed, which the app's lifespan starts.
 
     `read_metrics` is what /metrics serves; `configuration(num_kv_blocks)` builds /ui/config;
-    `shutting_down()` ends open feeds so that a graceful stop is not held up by an open page."""
-    feed = StatsFeed(read_metrics, alive=alive)
+    `shutting_down()` ends open feeds so that a graceful stop is not held up by an open page;
+    `doctor_config()` is the engine settings `pagedserve doctor`'s advice names."""
+    feed = StatsFeed(read_metrics, alive=alive, doctor_config=doctor_config)
 
     @app.get("/", include_in_schema=False)
     async def index():
@@ -49,8 +52,8 @@ def mount_web_ui(app: FastAPI, *, read_metrics: Callable[[], bytes], configurati
     @app.get("/ui/config", include_in_schema=False)
     async def config():
         raw = read_metrics()
-        snap = parse_exposition(raw.decode() if isinstance(raw, bytes) else raw, 0.0)
-        return JSONResponse(configuration(snap.values.get("kv_blocks")))
+        scrape = Scrape.parse(raw.decode() if isinstance(raw, bytes) else raw, 0.0)
+        return JSONResponse(configuration(scrape.total(PREFIX + "num_kv_cache_blocks") or None))
 
     @app.get("/ui/stats", include_in_schema=False)
     async def stats(request: Request):

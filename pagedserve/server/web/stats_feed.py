@@ -1,91 +1,31 @@
 """The dashboard's once-a-second samples, computed from the server's Prometheus exposition.
 
 The feed reads the very text /metrics serves (whatever process the engine runs in, that text is
-complete), so the page never shows a number a Prometheus scrape would not. Counters become
-per-second rates between two samples; histograms become percentiles over the last minute, from
-the bucket counts' growth across that minute (linear inside a bucket, as PromQL's
-histogram_quantile does); the prefix-cache hit rate is taken over the same minute.
+complete) and parses it as `pagedserve doctor` does, so the page never shows a number a
+Prometheus scrape or the doctor would not. Counters become per-second rates between two samples;
+histograms become percentiles over the last minute, from the bucket counts' growth across that
+minute; the prefix-cache hit rate is taken over the same minute, and so are the doctor's
+diagnoses (refreshed every few seconds).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-import math
 import time
 from typing import Callable
 
-from prometheus_client.parser import text_string_to_metric_families
+from pagedserve.doctor.diagnose import diagnose_live, window_stats
+from pagedserve.doctor.scrape import Scrape, bucket_delta, quantile
 
 logger = logging.getLogger("pagedserve.server.web")
 
 PREFIX = "pagedserve:"
 QUANTILES = (0.5, 0.9, 0.99)
-# sample key -> histogram family name (without the prefix)
+# sample key -> histogram name
 HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
               "e2e": "e2e_request_latency_seconds"}
-COUNTERS = {"prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",
-            "preemptions": "num_preemptions_total", "prefix_queries": "prefix_cache_queries_total",
-            "prefix_hits": "prefix_cache_hits_total", "requests_finished": "request_success_total"}
-GAUGES = {"running": "num_requests_running", "waiting": "num_requests_waiting", "kv_usage": "kv_cache_usage_perc",
-          "kv_blocks": "num_kv_cache_blocks"}
-
-
-class Snapshot:
-    """Counter totals, gauge values and cumulative histogram buckets at one instant."""
-
-    __slots__ = ("t", "values", "buckets")
-
-    def __init__(self, t: float, values: dict[str, float], buckets: dict[str, list[tuple[float, float]]]):
-        self.t = t
-        self.values = values
-        self.buckets = buckets  # key -> [(upper bound, cumulative count)], sorted, ending at +Inf
-
-
-def parse_exposition(text: str, t: float) -> Snapshot:
-    """Sum every sample over its labels (one model per server) into a Snapshot."""
-    sums: dict[str, float] = collections.defaultdict(float)
-    les: dict[str, dict[float, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.endswith("_bucket") and "le" in s.labels:
-                les[s.name[: -len("_bucket")]][float(s.labels["le"])] += s.value
-            else:
-                sums[s.name] += s.value
-    values = {}
-    for key, name in {**COUNTERS, **GAUGES}.items():
-        if PREFIX + name in sums:
-            values[key] = sums[PREFIX + name]
-    buckets = {key: sorted(les[PREFIX + name].items()) for key, name in HISTOGRAMS.items() if PREFIX + name in les}
-    return Snapshot(t, values, buckets)
-
-
-def bucket_quantile(q: float, upper_bounds: list[float], counts: list[float]) -> float | None:
-    """The q-quantile of observations counted in cumulative buckets; None when there are none.
-
-    Linear interpolation inside the bucket that holds the rank; a rank in the +Inf bucket answers
-    the highest finite bound (the histogram cannot say more)."""
-    total = counts[-1] if counts else 0.0
-    if total <= 0:
-        return None
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for ub, c in zip(upper_bounds, counts):
-        if c >= rank:
-            if math.isinf(ub):
-                return lower
-            if c == below:
-                return ub
-            return lower + (ub - lower) * (rank - below) / (c - below)
-        lower, below = ub, c
-    return lower
-
-
-def _delta_buckets(now: list[tuple[float, float]], then: list[tuple[float, float]] | None):
-    base = dict(then or ())
-    ubs = [ub for ub, _ in now]
-    counts = [max(0.0, c - base.get(ub, 0.0)) for ub, c in now]
-    return ubs, counts
+DIAGNOSE_EVERY_S = 5.0  # seconds between two runs of the doctor's rules (each reads the whole window)
 
 
 class StatsFeed:
@@ -93,16 +33,22 @@ class StatsFeed:
 
     `read_metrics` returns the Prometheus text exposition (bytes or str), exactly what /metrics
     serves. The last `history` samples are kept so that a page opened now draws the recent past.
+    `doctor_config()` gives the engine settings the doctor's advice names (EngineConfig's fields).
     """
 
     def __init__(self, read_metrics: Callable[[], bytes | str], interval: float = 1.0, window: float = 60.0,
-                 history: int = 300, alive: Callable[[], bool] | None = None):
+                 history: int = 300, alive: Callable[[], bool] | None = None,
+                 doctor_config: Callable[[], dict] | None = None, ttft_slo_s: float = 1.0):
         self.read_metrics = read_metrics
         self.interval = interval
         self.window = window
         self.alive = alive or (lambda: True)
-        self._snaps: collections.deque[Snapshot] = collections.deque()
+        self.doctor_config = doctor_config or dict
+        self.ttft_slo_s = ttft_slo_s
+        self._scrapes: collections.deque[Scrape] = collections.deque()
         self._history: collections.deque[dict] = collections.deque(maxlen=history)
+        self._diagnoses: list[dict] | None = None
+        self._diagnosed_at = float("-inf")
         self._subscribers: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
 
@@ -111,53 +57,70 @@ class StatsFeed:
         """Take one sample now; returns it (and keeps it in the history)."""
         now = time.time() if now is None else now
         raw = self.read_metrics()
-        snap = parse_exposition(raw.decode() if isinstance(raw, bytes) else raw, now)
-        prev = self._snaps[-1] if self._snaps else None
-        # baseline for "the last minute": the newest snapshot at least a window old, else the oldest kept
-        while len(self._snaps) > 1 and self._snaps[1].t <= now - self.window:
-            self._snaps.popleft()
-        base = self._snaps[0] if self._snaps else snap  # the first sample has no past: empty window
-        self._snaps.append(snap)
-        out = self._describe(snap, prev, base)
+        scrape = Scrape.parse(raw.decode() if isinstance(raw, bytes) else raw, now)
+        prev = self._scrapes[-1] if self._scrapes else None
+        # baseline for "the last minute": the newest scrape at least a window old, else the oldest kept
+        while len(self._scrapes) > 1 and self._scrapes[1].t <= now - self.window:
+            self._scrapes.popleft()
+        base = self._scrapes[0] if self._scrapes else scrape  # the first sample has no past: empty window
+        self._scrapes.append(scrape)
+        out = self._describe(scrape, prev, base)
+        if self._diagnoses is None or now - self._diagnosed_at >= DIAGNOSE_EVERY_S:
+            self._diagnoses = self._diagnose()
+            self._diagnosed_at = now
+        out["diagnoses"] = self._diagnoses
         self._history.append(out)
         return out
 
-    def _describe(self, snap: Snapshot, prev: Snapshot | None, base: Snapshot) -> dict:
-        v = snap.values
+    def _diagnose(self) -> list[dict] | None:
+        if len(self._scrapes) < 2:
+            return None
+        try:
+            stats = window_stats(list(self._scrapes))
+            return [d.to_dict() for d in diagnose_live(stats, self.doctor_config(), self.ttft_slo_s)]
+        except Exception:  # noqa: BLE001 - advice must never stop the feed
+            logger.exception("doctor rules failed on the dashboard's window")
+            return None
 
-        def rate(key: str) -> float | None:
-            if prev is None or key not in v or snap.t <= prev.t:
+    def _describe(self, now: Scrape, prev: Scrape | None, base: Scrape) -> dict:
+        def value(name: str) -> float | None:
+            return now.total(PREFIX + name) if now.has(PREFIX + name) else None
+
+        def rate(name: str) -> float | None:
+            if prev is None or not now.has(PREFIX + name) or now.t <= prev.t:
                 return None
-            return max(0.0, v[key] - prev.values.get(key, 0.0)) / (snap.t - prev.t)
+            return max(0.0, now.total(PREFIX + name) - prev.total(PREFIX + name)) / (now.t - prev.t)
 
+        def window_delta(name: str) -> float:
+            return now.total(PREFIX + name) - base.total(PREFIX + name)
+
+        queries = window_delta("prefix_cache_queries_total")
         out: dict = {
-            "t": round(snap.t, 3),
+            "t": round(now.t, 3),
             "alive": bool(self.alive()),
-            "prompt_tps": rate("prompt_tokens"),
-            "generation_tps": rate("generation_tokens"),
-            "running": v.get("running"),
-            "waiting": v.get("waiting"),
-            "kv_usage": v.get("kv_usage"),
-            "kv_blocks": v.get("kv_blocks"),
-            "preemptions_total": v.get("preemptions"),
-            "preemptions_ps": rate("preemptions"),
-            "requests_finished_total": v.get("requests_finished"),
-            "window_s": round(snap.t - base.t, 3),
+            "prompt_tps": rate("prompt_tokens_total"),
+            "generation_tps": rate("generation_tokens_total"),
+            "running": value("num_requests_running"),
+            "waiting": value("num_requests_waiting"),
+            "kv_usage": value("kv_cache_usage_perc"),
+            "kv_blocks": value("num_kv_cache_blocks"),
+            "preemptions_total": value("num_preemptions_total"),
+            "preemptions_ps": rate("num_preemptions_total"),
+            "requests_finished_total": value("request_success_total"),
+            "window_s": round(now.t - base.t, 3),
+            "prefix_hit_rate": window_delta("prefix_cache_hits_total") / queries if queries > 0 else None,
         }
-        dq = v.get("prefix_queries", 0.0) - base.values.get("prefix_queries", 0.0)
-        out["prefix_hit_rate"] = (v.get("prefix_hits", 0.0) - base.values.get("prefix_hits", 0.0)) / dq if dq > 0 else None
-        for key in HISTOGRAMS:
-            if key not in snap.buckets:
+        for key, name in HISTOGRAMS.items():
+            if not now.has(PREFIX + name + "_count"):
                 out[key] = None
                 continue
-            ubs, counts = _delta_buckets(snap.buckets[key], base.buckets.get(key))
-            out[key] = {f"p{round(q * 100)}": bucket_quantile(q, ubs, counts) for q in QUANTILES}
-            out[key]["count"] = counts[-1] if counts else 0.0
+            buckets = bucket_delta(base.buckets(PREFIX + name), now.buckets(PREFIX + name))
+            out[key] = {f"p{round(q * 100)}": quantile(q, buckets) for q in QUANTILES}
+            out[key]["count"] = buckets[-1][1] if buckets else 0.0
         return out
 
     def history(self) -> list[dict]:
         return list(self._history)
-
     # -- fan-out -------------------------------------------------------------------------------
     def subscribe(self) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue(maxsize=64)

@@ -56,6 +56,21 @@ function makeChart(spec, box) {
   return new uPlot(opts, [[], ...spec.series.map(() => [])], box);
 }
 
+// What `pagedserve doctor` would say about the last minute: each finding, its evidence and the flag to change.
+function renderDiagnoses(diagnoses) {
+  const box = document.getElementById("doctor-list");
+  if (diagnoses == null) return; // not enough samples yet: keep the placeholder
+  box.dataset.count = String(diagnoses.length);
+  if (!diagnoses.length) {
+    box.replaceChildren("No problems found in the last minute.");
+    return;
+  }
+  box.replaceChildren(...diagnoses.map((d) => el("div", { class: "diagnosis", "data-id": d.id },
+    el("div", { class: "title", text: d.title }),
+    el("ul", {}, ...d.evidence.map((e) => el("li", { text: e }))),
+    el("div", { class: "change" }, "change: ", el("code", { text: d.change })))));
+}
+
 export class Dashboard {
   constructor(onUnauthorized) {
     this.onUnauthorized = onUnauthorized;
@@ -122,6 +137,7 @@ export class Dashboard {
       value.textContent = g.format(v);
       node.dataset.value = v == null ? "" : String(v);
     }
+    renderDiagnoses(last.diagnoses);
     const ts = this.samples.map((s) => s.t);
     for (const c of this.charts) {
       c.plot.setData([ts, ...c.spec.series.map((s) => this.samples.map((x) => { const v = s.value(x); return v == null ? null : v; }))]);
