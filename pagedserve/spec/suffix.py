@@ -36,16 +36,21 @@ class SuffixTrie:
         root, keep = self.root, self.depth - 1
         for t in tokens:
             new = []
-            for node in [root] + active:
+            add = new.append
+            for node in (root, *active):
                 ch = node.children
                 if ch is None:
-                    ch = node.children = {}
-                child = ch.get(t)
-                if child is None:
-                    child = ch[t] = _Node()
+                    child = _Node()
+                    node.children = {t: child}
+                else:
+                    child = ch.get(t)
+                    if child is None:
+                        child = ch[t] = _Node()
                 child.count += 1
-                new.append(child)
-            active = new[:keep]
+                add(child)
+            if len(new) > keep:
+                del new[keep:]
+            active = new
         return active
 
     def remove(self, tokens) -> None:
