@@ -13,6 +13,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (a bug or a device error); nothing more can be served."""
 
 
+class EngineStepError(RuntimeError):
+    """A model step failed while this request was in it; the engine goes on serving others."""
+
+
 class EngineShuttingDownError(RuntimeError):
     """The engine no longer accepts requests (graceful shutdown in progress)."""
 

@@ -1,13 +1,18 @@
 """The FastAPI application: OpenAI-compatible routes over an AsyncEngine.
 
 `build_app(async_engine, args)` wires routes, error handling (OpenAI error bodies; 400 for every
-kind of bad input, never 422/500), the optional API key, and metrics. The app's lifespan starts
-the engine thread and, on shutdown, lets in-flight requests finish (up to --shutdown-timeout)
-before aborting the rest.
+kind of bad input, never 422/500), the optional API key, and metrics. `async_engine` is an
+AsyncEngine (engine thread in this process) or an EngineCoreClient (engine core in its own
+process); both have the interface of engine/frontend.py. The app's lifespan starts the engine
+and, on shutdown, lets in-flight requests finish (up to --shutdown-timeout) before aborting the
+rest. When the engine is gone for good (the core process died or hung and is not restarted),
+/health answers 503 at once and `app.state.stop_server` (set by `pagedserve serve`) is called
+shortly after, so the server exits non-zero (`app.state.engine_failure` holds the reason).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import hmac
@@ -20,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.frontend import EngineFrontend
 from pagedserve.errors import InvalidRequestError
 from pagedserve.generation_defaults import generation_defaults
 from pagedserve.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
@@ -148,16 +153,20 @@ def _cost_model(engine) -> StepCostModel | None:
                                    torch.tensor([], dtype=dtype).element_size())
 
 
-def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None) -> FastAPI:
+# After the engine is gone for good, /health keeps answering 503 this long before the server exits,
+# so that health checkers see why it went away.
+DEAD_ENGINE_EXIT_DELAY_S = 1.5
+
+
+def build_app(async_engine: EngineFrontend, args: argparse.Namespace | None = None) -> FastAPI:
     args = args or argparse.Namespace()
-    engine = async_engine.engine
-    cfg = engine.config
+    engine = async_engine.engine_info  # facts about the loaded engine, wherever it runs
+    cfg = async_engine.config
     names = getattr(args, "served_model_name", None) or []
     if isinstance(names, str):
         names = [names]
     names = list(names) or [cfg.served_model_name or str(cfg.model)]
-    spec = getattr(engine, "spec", None)
-    vocab = getattr(spec, "vocab_size", None) or len(engine.tokenizer)
+    vocab = async_engine.vocab_size
     shutdown_timeout = float(getattr(args, "shutdown_timeout", 30.0) or 0.0)
 
     metrics = ServerMetrics(names[0], cfg.max_model_len or 8192, stats_fn=async_engine.stats,
@@ -182,8 +191,18 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
     responses = OpenAIServingResponses(ctx)
     http_metrics = HTTPMetrics(metrics.registry)
 
+    def engine_failed(reason: str) -> None:  # on the event loop
+        if app.state.engine_failure is None:
+            logger.error("the engine is gone (%s): the server stops", reason)
+        app.state.engine_failure = reason
+        stop = app.state.stop_server
+        if stop is not None:
+            asyncio.get_running_loop().call_later(DEAD_ENGINE_EXIT_DELAY_S, stop)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        async_engine.bind_loop(asyncio.get_running_loop())
+        async_engine.on_fatal = engine_failed
         async_engine.start()
         if app.state.stats_feed is not None:
             app.state.stats_feed.start()
@@ -194,6 +213,8 @@ def build_app(async_engine: AsyncEngine, args: argparse.Namespace | None = None)
 
     app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.async_engine = async_engine
+    app.state.engine_failure = None
+    app.state.stop_server = None
     app.state.ctx = ctx
     app.state.metrics = metrics
 

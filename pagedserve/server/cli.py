@@ -2,8 +2,13 @@
 
     pagedserve serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
 
+The engine core (scheduler, model runner, sampler) runs in its own process, supervised by the
+server (engine/core_client.py); --no-engine-process keeps it in a thread of the server process.
+
 SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish within
---shutdown-timeout seconds, abort the rest, exit 0.
+--shutdown-timeout seconds, abort the rest, exit 0. If the engine dies or a step hangs past
+--engine-step-timeout: in-flight requests fail, /health answers 503, and the server exits 1
+(or starts the engine core again with --restart-engine-on-failure).
 """
 from __future__ import annotations
 
@@ -37,6 +42,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted "
                         "(default: %(default)s)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in its own process, apart from HTTP, tokenization and "
+                        "detokenization (default: on)")
+    g.add_argument("--engine-step-timeout", type=float, default=60.0,
+                   help="seconds one engine step may run while requests wait before the engine counts as hung "
+                        "(engine process only; default: %(default)s)")
+    g.add_argument("--restart-engine-on-failure", action="store_true",
+                   help="start the engine core again when it dies or hangs, instead of exiting 1")
     g.add_argument("--uvicorn-log-level", type=str, default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s)")
@@ -97,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
     if tgi_error:
         print(f"error: {tgi_error}", file=sys.stderr)
         return 2
+    if not args.engine_step_timeout > 0:
+        print("error: --engine-step-timeout must be > 0", file=sys.stderr)
+        return 2
+    if args.restart_engine_on_failure and not args.engine_process:
+        print("error: --restart-engine-on-failure needs the engine process (drop --no-engine-process)",
+              file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
     except ConfigError as e:
@@ -109,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.core_client import EngineCoreClient
     from pagedserve.server.app import build_app, load_chat_template
 
     try:
@@ -116,14 +137,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    common = dict(max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
+                  log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats)
     try:
-        async_engine = AsyncEngine.from_config(
-            config,
-            max_num_queued_reqs=args.max_num_queued_reqs,
-            max_num_queued_tokens=args.max_num_queued_tokens,
-            log_requests=not args.disable_log_requests,
-            log_stats=not args.disable_log_stats,
-        )
+        if args.engine_process:
+            async_engine = EngineCoreClient(config, step_timeout=args.engine_step_timeout,
+                                            restart_on_failure=args.restart_engine_on_failure, **common)
+        else:
+            async_engine = AsyncEngine.from_config(config, **common)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -145,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(uv_config)
     app.state.http_server = server  # the web page's live feeds end when uvicorn starts its graceful stop
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)
     try:
         server.run()
     except SystemExit as e:
@@ -153,4 +175,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # uvicorn re-raises SIGINT after its graceful shutdown: that is a clean stop
         return 0 if server.started else 130
+    if app.state.engine_failure is not None:
+        print(f"error: the engine failed: {app.state.engine_failure}", file=sys.stderr)
+        return 1
     return 0

@@ -21,6 +21,7 @@ from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.request_stream import (
     EngineDeadError,
     EngineShuttingDownError,
+    EngineStepError,
     QueueFullError,
     RequestAbortedError,
 )
@@ -193,6 +194,8 @@ def engine_error_to_api(e: BaseException, metrics=None) -> APIError:
         return APIError(str(e), 503, code="server_overloaded", headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, EngineShuttingDownError):
         return APIError(str(e), 503, code="shutting_down", headers={"Retry-After": "5"})
+    if isinstance(e, EngineStepError):
+        return APIError(str(e), 500, code="engine_step_failed")
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, code="engine_dead")
     if isinstance(e, RequestAbortedError):
@@ -220,7 +223,7 @@ class OpenAIServing:
     def validator(self):
         """The engine's RequestValidator (pagedserve/validation.py): the one place a request is checked;
         the engine runs it on every request, the server only adds the text bound before tokenizing."""
-        return self.engine.engine.validator
+        return self.engine.engine_info.validator
 
     def encode_prompt(self, text, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """Tokenize a request's text once the validator has ruled out a text too long to ever fit."""

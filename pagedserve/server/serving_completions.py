@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve.engine.request_stream import (
     EngineDeadError,
     EngineShuttingDownError,
+    EngineStepError,
     QueueFullError,
     RequestAbortedError,
 )
@@ -207,7 +208,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if include_usage:
                 yield sse(CompletionStreamResponse(id=base, created=created, model=model, choices=[], usage=usage(),
                                                    system_fingerprint=self.ctx.system_fingerprint))
-        except (APIError, InvalidRequestError, EngineDeadError, RequestAbortedError, QueueFullError,
+        except (APIError, InvalidRequestError, EngineDeadError, EngineStepError, RequestAbortedError, QueueFullError,
                 EngineShuttingDownError) as e:
             err = engine_error_to_api(e)
             yield sse(error_body(err.message, err.status_code, err.type, err.param, err.code))

@@ -77,7 +77,7 @@ def build_router(ctx, max_concurrent_requests: int | None = None) -> APIRouter:
     @router.get("/info")
     async def info():
         cfg = ctx.engine.config
-        engine = getattr(ctx.engine, "engine", None)
+        engine = getattr(ctx.engine, "engine_info", None)  # the loaded engine's facts, wherever it runs
         dtype = str(getattr(engine, "dtype", cfg.dtype)).replace("torch.", "")
         device = getattr(getattr(engine, "device", None), "type", None) or cfg.device
         max_input = getattr(cfg, "max_input_tokens", None) or (ctx.max_model_len - 1)
