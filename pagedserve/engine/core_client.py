@@ -16,6 +16,7 @@ the core is started again (`restart_on_failure`) or `on_fatal(reason)` tells the
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
 import logging
 import multiprocessing
@@ -61,6 +62,9 @@ class _CoreProcess:
             target=run_engine_core, args=(config, in_addr, out_addr, 1, level), name="pagedserve-engine-core",
             daemon=True)
         self.proc.start()
+        # The core ignores SIGTERM (it must outlive the drain), so multiprocessing's own exit
+        # handler, which terminates and then joins it, would wait for ever: kill it first.
+        atexit.register(self.kill)
         self.dealer.send(m.HELLO)
         self.last_recv = time.monotonic()
         self.dead_reason: str | None = None
