@@ -18,6 +18,8 @@ from pagedserve.quant import cpu_kernels
 from pagedserve.quant.grouped import GroupedWeight, pack_nibbles
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+if __import__("os").environ.get("QUANT_AB_SHAPES"):
+    SHAPES = {k: SHAPES[k] for k in __import__("os").environ["QUANT_AB_SHAPES"].split(",")}
 
 
 def main() -> None:
