@@ -136,3 +136,21 @@ def test_killed_core_without_restart_exits_1(servers):
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert srv.proc.wait(timeout=30) == 1
     assert "the engine failed" in srv.log()
+
+
+def test_api_server_count_2_shares_the_port_and_the_core(llama_dir):
+    import concurrent.futures
+
+    srv = RemoteServer(llama_dir, [*ARGS, "--api-server-count", 2], env={"PAGEDSERVE_CPU_GEMM": "onednn"})
+    try:
+        srv.wait_ready(timeout=300)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            rs = list(pool.map(lambda i: completion(srv, f"story number {i}", max_tokens=5), range(8)))
+        assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5 for r in rs)
+        # two uvicorn front ends, one engine core
+        front_ends = set(re.findall(r"Started server process \[(\d+)\]", srv.log(tail=10**6)))
+        assert len(front_ends) == 2 and len(set(core_pids(srv))) == 1, srv.log()
+        srv.terminate()
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+    finally:
+        srv.stop()

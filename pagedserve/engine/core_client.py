@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import copy
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -39,14 +41,41 @@ logger = logging.getLogger("pagedserve.engine")
 _POLL_MS = 100  # supervision granularity: a dead core is noticed within this
 
 
-class _CoreProcess:
-    """One incarnation of the engine core: its process and the two sockets that reach it."""
+class _OtherProcess:
+    """The core when this process did not start it (several API servers share one core): the
+    supervisor that started it reaps it, this process only watches it."""
 
-    def __init__(self, config, client_id: bytes):
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.exitcode = None
+
+    def is_alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+class _CoreProcess:
+    """One incarnation of the engine core: its process and the two sockets that reach it.
+    `attach=(in_addr, out_addr, pid)` connects to a core another process started."""
+
+    def __init__(self, config, client_id: bytes, attach: tuple[str, str, int] | None = None):
         import zmq
 
-        self.dir = tempfile.mkdtemp(prefix="pagedserve-core-")
-        in_addr, out_addr = f"ipc://{self.dir}/in", f"ipc://{self.dir}/out"
+        self.owned = attach is None
+        self.dir = tempfile.mkdtemp(prefix="pagedserve-core-") if self.owned else None
+        in_addr, out_addr = (f"ipc://{self.dir}/in", f"ipc://{self.dir}/out") if self.owned else attach[:2]
         self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, 0)
@@ -57,14 +86,10 @@ class _CoreProcess:
         self.dealer.setsockopt(zmq.RCVHWM, 0)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(out_addr)
-        level = logging.getLogger("pagedserve").getEffectiveLevel()
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, in_addr, out_addr, 1, level), name="pagedserve-engine-core",
-            daemon=True)
-        self.proc.start()
-        # The core ignores SIGTERM (it must outlive the drain), so multiprocessing's own exit
-        # handler, which terminates and then joins it, would wait for ever: kill it first.
-        atexit.register(self.kill)
+        if self.owned:
+            self.proc = spawn_core(config, in_addr, out_addr, 1)
+        else:
+            self.proc = _OtherProcess(attach[2])
         self.dealer.send(m.HELLO)
         self.last_recv = time.monotonic()
         self.dead_reason: str | None = None
@@ -98,20 +123,39 @@ class _CoreProcess:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def spawn_core(config, in_addr: str, out_addr: str, num_clients: int):
+    """Start the engine-core process (it binds both addresses and waits for `num_clients` hellos)."""
+    level = logging.getLogger("pagedserve").getEffectiveLevel()
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, args=(config, in_addr, out_addr, num_clients, level), name="pagedserve-engine-core",
+        daemon=True)
+    proc.start()
+    # The core ignores SIGTERM (it must outlive the drain), so multiprocessing's own exit handler,
+    # which terminates and then joins it, would wait for ever: kill it first.
+    atexit.register(lambda: proc.is_alive() and proc.kill())
+    return proc
 
 
 class EngineCoreClient(EngineFrontend):
-    def __init__(self, config, *, step_timeout: float = 60.0, restart_on_failure: bool = False, **kw):
+    def __init__(self, config, *, step_timeout: float = 60.0, restart_on_failure: bool = False,
+                 attach: tuple[str, str, int] | None = None, client_index: int = 0, **kw):
+        """attach=(in_addr, out_addr, pid): use a core another process started (--api-server-count);
+        it is then not restarted here."""
         super().__init__(**kw)
         self._config_in = copy.deepcopy(config)  # as given: each restart resolves it again
         self.step_timeout = step_timeout
         self.restart_on_failure = restart_on_failure
-        self._client_id = f"frontend-{os.getpid()}".encode()
+        self._client_id = f"frontend-{os.getpid()}-{client_index}".encode()
         self._pending: dict[str, asyncio.Future] = {}
         self._busy_since = time.monotonic()
         self._stopping = False
-        self._core = _CoreProcess(copy.deepcopy(self._config_in), self._client_id)
+        if attach is not None and restart_on_failure:
+            raise ConfigError("--restart-engine-on-failure needs a single API server (--api-server-count 1)")
+        self._core = _CoreProcess(copy.deepcopy(self._config_in), self._client_id, attach)
         try:
             info = self._core.wait_ready()
         except BaseException:
@@ -268,7 +312,8 @@ class EngineCoreClient(EngineFrontend):
 
     @staticmethod
     def _reap(core: _CoreProcess) -> None:
-        core.proc.join(10)
+        if core.owned:
+            core.proc.join(10)
         if core.thread is not None and core.thread is not threading.current_thread():
             core.thread.join(5)
         core.close()
@@ -303,6 +348,9 @@ class EngineCoreClient(EngineFrontend):
         if core is None or core.closing:
             return
         core.closing = True
+        if not core.owned:  # the supervisor stops the shared core once every API server is done
+            await asyncio.to_thread(self._reap, core)
+            return
         if core.proc.is_alive():
             core.send((m.SHUTDOWN,))
             await asyncio.to_thread(core.proc.join, 10.0)

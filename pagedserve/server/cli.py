@@ -50,6 +50,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(engine process only; default: %(default)s)")
     g.add_argument("--restart-engine-on-failure", action="store_true",
                    help="start the engine core again when it dies or hangs, instead of exiting 1")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front-end processes sharing the port and one engine core, for machines with spare "
+                        "cores (metrics are then per front end; default: %(default)s)")
     g.add_argument("--uvicorn-log-level", type=str, default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s)")
@@ -113,6 +116,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.engine_step_timeout > 0:
         print("error: --engine-step-timeout must be > 0", file=sys.stderr)
         return 2
+    if args.api_server_count < 1:
+        print("error: --api-server-count must be >= 1", file=sys.stderr)
+        return 2
+    if args.api_server_count > 1 and (args.restart_engine_on_failure or not args.engine_process):
+        print("error: --api-server-count > 1 needs the engine process and no --restart-engine-on-failure",
+              file=sys.stderr)
+        return 2
     if args.restart_engine_on_failure and not args.engine_process:
         print("error: --restart-engine-on-failure needs the engine process (drop --no-engine-process)",
               file=sys.stderr)
@@ -126,29 +136,49 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
 
-    import uvicorn
-
-    from pagedserve.engine.async_engine import AsyncEngine
-    from pagedserve.engine.core_client import EngineCoreClient
-    from pagedserve.server.app import build_app, load_chat_template
+    from pagedserve.server.app import load_chat_template
 
     try:
         load_chat_template(args.chat_template)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    common = dict(max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
-                  log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats)
+    args.api_key = api_key
+    if args.api_server_count > 1:
+        from pagedserve.server.api_servers import run_api_servers
+
+        return run_api_servers(args, config)
     try:
-        if args.engine_process:
-            async_engine = EngineCoreClient(config, step_timeout=args.engine_step_timeout,
-                                            restart_on_failure=args.restart_engine_on_failure, **common)
-        else:
-            async_engine = AsyncEngine.from_config(config, **common)
+        async_engine = make_frontend(args, config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args.api_key = api_key
+    return serve(args, config, async_engine)
+
+
+def make_frontend(args: argparse.Namespace, config, attach=None, client_index: int = 0):
+    """The engine as the app sees it: the engine-core process's client, or the in-process thread."""
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.core_client import EngineCoreClient
+
+    common = dict(max_num_queued_reqs=args.max_num_queued_reqs, max_num_queued_tokens=args.max_num_queued_tokens,
+                  log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats)
+    if args.engine_process:
+        return EngineCoreClient(config, step_timeout=args.engine_step_timeout,
+                                restart_on_failure=args.restart_engine_on_failure, attach=attach,
+                                client_index=client_index, **common)
+    return AsyncEngine.from_config(config, **common)
+
+
+def serve(args: argparse.Namespace, config, async_engine, sockets=None) -> int:
+    """Run the HTTP server over `async_engine` until SIGTERM (0) or the engine's failure (1).
+    `sockets`: listening sockets to serve on (several API server processes share one)."""
+    import uvicorn
+
+    from pagedserve.server.app import build_app
+
+    log = logging.getLogger("pagedserve.server")
+    api_key = args.api_key
     app = build_app(async_engine, args)
     log.info("serving %s on http://%s:%d (max_model_len=%d)%s", app.state.ctx.model_name, args.host, args.port,
              app.state.ctx.max_model_len, " with an API key" if api_key else "")
@@ -168,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     app.state.http_server = server  # the web page's live feeds end when uvicorn starts its graceful stop
     app.state.stop_server = lambda: setattr(server, "should_exit", True)
     try:
-        server.run()
+        server.run(sockets=sockets)
     except SystemExit as e:
         if e.code not in (0, None):
             raise
