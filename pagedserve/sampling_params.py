@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.structured.params import StructuredOutputsParams
+
 _EPS = 1e-5
 
 
@@ -31,6 +33,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never generate these words (each as one or more tokens)
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
     # filled by the engine (resolve_bad_words)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -41,6 +44,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     @property
     def has_logits_processing(self) -> bool:

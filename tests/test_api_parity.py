@@ -291,14 +291,14 @@ def test_token_ids_special_tokens_and_response_shapes(srv):
             r = await h.post(path, json={"model": srv.model, "max_tokens": 2, "stream": True, **extra})
             evs = [json.loads(x[6:]) for x in r.text.split("\n") if x.startswith("data: {")]
             assert evs and all("usage" not in e and e["system_fingerprint"].startswith("fp_") for e in evs)
-        # best_of: only equal to n; response_format on completions: text only
+        # best_of: only equal to n; response_format: an unknown type is a 400
         assert (await h.post("/v1/completions", json={"model": srv.model, "prompt": PROMPT, "max_tokens": 1,
                                                       "best_of": 1})).status_code == 200
         _err(await h.post("/v1/completions", json={"model": srv.model, "prompt": PROMPT, "best_of": 2}), "best_of")
         _err(await h.post("/v1/completions", json={"model": srv.model, "prompt": PROMPT,
-                                                   "response_format": {"type": "json_object"}}), "response_format")
-        with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-            await c.chat.completions.create(model=srv.model, messages=HI, response_format={"type": "json_object"})
+                                                   "response_format": {"type": "xml"}}), "response_format")
+        with pytest.raises(openai.BadRequestError, match="response_format type 'xml' is not supported"):
+            await c.chat.completions.create(model=srv.model, messages=HI, response_format={"type": "xml"})
 
     srv.run(go)
 
@@ -360,7 +360,7 @@ def test_responses_api_text_streaming_and_previous_response_id(srv):
             {"role": "developer", "content": "Be brief."},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Once upon a time"}]}])
         assert listed.output_text == first.output_text  # the developer message is the system prompt
-        for bad in ({"tools": [{"type": "function", "name": "f"}]}, {"text": {"format": {"type": "json_object"}}},
+        for bad in ({"tools": [{"type": "function", "name": "f"}]}, {"text": {"format": {"type": "xml"}}},
                     {"reasoning": {"effort": "low"}}, {"input": [{"type": "input_image", "image_url": "x"}]}):
             _err(await h.post("/v1/responses", json={"model": srv.model, "input": "x", **bad}))
 

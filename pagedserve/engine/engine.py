@@ -97,6 +97,7 @@ class LLMEngine:
 
             self.spec_decoder = build_decoder(config.speculative_config, self)
         self.requests: dict[str, Request] = {}
+        self.structured = None  # structured/grammar.py GrammarCompiler, made by the first constrained request
         self.profiler: StepProfiler | None = None  # set to a StepProfiler to time each phase
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
@@ -195,15 +196,28 @@ class LLMEngine:
         checked = self.validator.validate(prompt_token_ids, params)
         # (the pool holds at least one max_model_len sequence: check_fits at start-up)
         params.resolve_bad_words(self.tokenizer)
+        matchers = self._matchers(params)  # compiles (or finds) the constraint: a bad one fails here
         req = Request(request_id, prompt, checked.prompt_token_ids, params,
                       arrival_time=arrival_time if arrival_time is not None else time.time(),
                       stop_token_ids=checked.stop_token_ids)
-        for seq in req.seqs:
+        for seq, matcher in zip(req.seqs, matchers):
+            seq.matcher = matcher
             if params.detokenize:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                    params.include_stop_str_in_output, params.skip_special_tokens)
             self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    def _matchers(self, params: SamplingParams) -> list:
+        """One grammar matcher per sequence of a request with structured outputs, else Nones."""
+        if params.structured_outputs is None:
+            return [None] * params.n
+        if self.structured is None:
+            from pagedserve.structured.grammar import GrammarCompiler
+
+            self.structured = GrammarCompiler(self.tokenizer, self.spec.vocab_size, lambda: self.validator.eos_ids)
+        first = self.structured.matcher(params.structured_outputs)
+        return [first] + [first.deep_copy() for _ in range(params.n - 1)]
 
     @property
     def eos_ids(self) -> list[int]:
@@ -308,6 +322,12 @@ class LLMEngine:
             seq.logprobs.append(self._logprob_dict(tok))
             seq.cumulative_logprob += tok.logprob
         n_out = seq.num_output_tokens
+        if seq.matcher is not None and not seq.matcher.consume_token(tok.token_id):
+            # only when other logit edits (allowed_token_ids, logit_bias) left no token the grammar allows
+            log.warning("request %s: token %d breaks its structured-output constraint (%s); stopping it",
+                        seq.request.request_id, tok.token_id, seq.matcher.get_error())
+            self._finish(seq, "length")
+            return
         if tok.token_id in seq.request.stop_token_ids and n_out >= p.min_tokens:
             seq.stop_reason = tok.token_id if tok.token_id in p.stop_token_ids else None
             # the stop token's text is not part of the output unless asked for (as in vLLM)
@@ -321,6 +341,9 @@ class LLMEngine:
                 seq.stop_reason = seq.detok.stopped_on
                 self._finish(seq, "stop")
                 return
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            self._finish(seq, "stop")  # the constraint is complete: nothing but EOS could follow
+            return
         if n_out >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             self._finish(seq, "length")
 

@@ -40,6 +40,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "prompt_len", "status", "num_computed_tokens",
         "block_table", "num_hashed_blocks", "last_block_key", "generator", "logprobs",
         "cumulative_logprob", "finish_reason", "stop_reason", "detok", "admit_order", "spec_token_ids", "spec",
+        "matcher",
     )
 
     def __init__(self, request: "Request", index: int, prompt_token_ids: list[int]):
@@ -60,6 +61,7 @@ class Sequence:
         self.stop_reason = None
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer
         self.admit_order = 0
+        self.matcher = None  # llguidance.LLMatcher when the request has structured outputs
         self.spec_token_ids: list[int] = []  # draft tokens to verify after the next token (spec/)
         self.spec = None  # the speculative decoder's per-sequence state (spec/decoder.py)
 

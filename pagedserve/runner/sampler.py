@@ -13,6 +13,7 @@ import torch
 
 from pagedserve.engine.sequence import Sequence
 from pagedserve.model import cpu_fused
+from pagedserve.structured.bitmask import apply_bitmask, compute_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -57,9 +58,15 @@ class SamplingBatch:
                 if ids:
                     self.min_token_masks.append((i, sorted(ids)))
         self.processed_rows = [i for i, p in enumerate(ps) if p.has_logits_processing]
+        # structured outputs: the grammar's allowed tokens for each constrained row (computed before the
+        # LM head runs, from the matcher's state after the last accepted token)
+        self.grammar_rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        self.grammar_mask = (compute_bitmask([seqs[i].matcher for i in self.grammar_rows], vocab_size)
+                             if self.grammar_rows else None)
         # nothing but the argmax reads the logits: the LM head's own dtype will do (Sampler.__call__)
         self.argmax_only = (self.all_greedy and self.max_logprobs < 0 and not self.penalty_rows
-                            and not self.min_token_masks and not self.processed_rows)
+                            and not self.min_token_masks and not self.processed_rows
+                            and not self.grammar_rows)
 
 
 class Sampler:
@@ -136,13 +143,15 @@ class Sampler:
         return out
 
     def adjust_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
-        """Penalties and min_tokens masks, in place (before any argmax or temperature)."""
+        """Penalties, min_tokens masks and the grammar mask, in place (before any argmax or temperature)."""
         if batch.penalty_rows:
             self._apply_penalties(logits, batch)
         if batch.processed_rows:
             self._apply_logits_processing(logits, batch)
         for i, ids in batch.min_token_masks:
             logits[i, ids] = _NEG_INF
+        if batch.grammar_rows:
+            apply_bitmask(logits, batch.grammar_rows, batch.grammar_mask)
 
     def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The distribution a sampled row draws from: temperature, top-k / top-p, softmax, min-p

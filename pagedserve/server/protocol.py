@@ -3,7 +3,7 @@
 Field names, defaults and JSON shapes follow the OpenAI API (and vLLM's extensions to it:
 top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...). Unknown
 request fields are accepted and logged (never silently dropped); parameters that would change
-the output but are not implemented (tools, logit_bias, response_format json, suffix, best_of)
+the output but are not implemented (tool calls, suffix, best_of)
 are rejected with 400 by the serving code.
 """
 from __future__ import annotations
@@ -89,9 +89,6 @@ def rejected(default: Any = None, why: str = "", example: Any = True, **kw) -> A
     return Field(default, json_schema_extra={"support": "rejected", "note": why, "example": example}, **kw)
 
 
-_NO_CONSTRAINED = ("constrained decoding (structured outputs) is not supported yet")
-
-
 def field_support(model: type[BaseModel], name: str) -> dict:
     extra = model.model_fields[name].json_schema_extra
     return extra if isinstance(extra, dict) else {}
@@ -162,15 +159,16 @@ class _CommonFields(OpenAIBaseModel):
     user: str | None = supported(None, "written to the request log")
     request_id: str | None = supported(None, "becomes the response id's suffix")
     max_tokens: int | None = supported(None, "default: what fits in max_model_len")
-    response_format: dict[str, Any] | None = partial(None, "type 'text' only; json_object / json_schema: "
-                                                           + _NO_CONSTRAINED + ", a 400")
-    structured_outputs: dict[str, Any] | None = rejected(None, _NO_CONSTRAINED, {"json": {}})
-    guided_json: Any = rejected(None, _NO_CONSTRAINED, {"type": "object"})
-    guided_regex: str | None = rejected(None, _NO_CONSTRAINED, "a+")
-    guided_choice: list[str] | None = rejected(None, _NO_CONSTRAINED, ["a", "b"])
-    guided_grammar: str | None = rejected(None, _NO_CONSTRAINED, "root ::= \"a\"")
-    guided_decoding_backend: str | None = rejected(None, _NO_CONSTRAINED, "xgrammar")
-    guided_whitespace_pattern: str | None = rejected(None, _NO_CONSTRAINED, " ")
+    response_format: dict[str, Any] | None = supported(
+        None, "text, json_object, json_schema (the output always follows the schema; compact JSON)")
+    structured_outputs: dict[str, Any] | None = supported(
+        None, "one of json, regex, choice, grammar (Lark or GBNF), json_object; plus whitespace_pattern")
+    guided_json: Any = supported(None, "as structured_outputs.json")
+    guided_regex: str | None = supported(None, "as structured_outputs.regex")
+    guided_choice: list[str] | None = supported(None, "as structured_outputs.choice")
+    guided_grammar: str | None = supported(None, "as structured_outputs.grammar")
+    guided_decoding_backend: str | None = partial(None, "'auto' or 'guidance' (llguidance); others a 400")
+    guided_whitespace_pattern: str | None = supported(None, "the regex JSON whitespace must match")
     use_beam_search: bool = rejected(False, "beam search is not implemented")
     length_penalty: float = rejected(1.0, "only used by beam search, which is not implemented", 0.5)
     priority: int = rejected(0, "priority scheduling is not implemented (first come, first served)", 1)
@@ -244,8 +242,7 @@ class ResponsesRequest(OpenAIBaseModel):
     store: bool = supported(True, "keep the response for previous_response_id and GET /v1/responses/{id}")
     metadata: dict[str, str] | None = supported(None, "echoed in the response")
     user: str | None = supported(None, "written to the request log")
-    text: dict[str, Any] | None = partial(None, "format type 'text' only; json_schema: " + _NO_CONSTRAINED
-                                                + ", a 400")
+    text: dict[str, Any] | None = supported(None, "format: text, json_object, json_schema (output follows the schema)")
     tools: list[dict[str, Any]] | None = partial(None, "none (empty) only: tool calling is not implemented")
     tool_choice: Any = partial(None, "'none' or 'auto' with no tools")
     parallel_tool_calls: bool = supported(True, "echoed; no tool calls are made")

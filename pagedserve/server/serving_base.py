@@ -26,6 +26,7 @@ from pagedserve.engine.request_stream import (
     RequestAbortedError,
 )
 from pagedserve.errors import InvalidRequestError
+from pagedserve.structured.request_fields import structured_outputs_from_request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.validation import check_token_ids
 from pagedserve.server.protocol import (
@@ -240,10 +241,6 @@ class OpenAIServing:
         if not req.spaces_between_special_tokens:
             raise APIError("spaces_between_special_tokens=false is not supported: text is decoded by the "
                            "tokenizer itself.", 400, param="spaces_between_special_tokens")
-        rf = req.response_format
-        if rf is not None and rf.get("type") not in (None, "text"):
-            raise APIError(f"response_format {rf.get('type')!r} is not supported: constrained decoding "
-                           "(structured outputs) is not supported yet; only 'text'.", 400, param="response_format")
         self.validator.check_truncate_prompt_tokens(req.truncate_prompt_tokens)
         if req.user and self.ctx.log_requests:
             logger.info("request from user %r", req.user)
@@ -304,7 +301,15 @@ class OpenAIServing:
             logit_bias=self._logit_bias(req),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
+            structured_outputs=self._structured_outputs(req),
         )
+
+    @staticmethod
+    def _structured_outputs(req):
+        try:
+            return structured_outputs_from_request(req)
+        except InvalidRequestError as e:
+            raise APIError(str(e), 400, param=e.param) from None
 
     # -- engine submission ---------------------------------------------------------------------
     async def submit(self, request_ids: list[str], prompts: list[tuple[str | None, list[int]]],

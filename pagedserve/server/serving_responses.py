@@ -20,7 +20,9 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.request_fields import structured_outputs_from_text_format
 from pagedserve.server.protocol import (
     APIError,
     ResponsesRequest,
@@ -108,10 +110,10 @@ class OpenAIServingResponses(OpenAIServing):
         if req.tool_choice not in (None, "none", "auto"):
             raise APIError("tool_choice: only 'none' or 'auto' (with no tools) is supported.", 400,
                            param="tool_choice")
-        fmt = (req.text or {}).get("format") or {"type": "text"}
-        if fmt.get("type") != "text":
-            raise APIError(f"text.format {fmt.get('type')!r} is not supported: constrained decoding (structured "
-                           "outputs) is not supported yet; only 'text'.", 400, param="text")
+        try:
+            structured_outputs_from_text_format((req.text or {}).get("format"))
+        except InvalidRequestError as e:
+            raise APIError(str(e), 400, param=e.param) from None
         if req.truncation not in (None, "disabled"):
             raise APIError("truncation: only 'disabled' is supported (a prompt too long is a 400).", 400,
                            param="truncation")
@@ -133,7 +135,8 @@ class OpenAIServingResponses(OpenAIServing):
         params = SamplingParams(temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
                                 top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
                                 top_k=d.get("top_k", 0), min_p=d.get("min_p", 0.0),
-                                repetition_penalty=d.get("repetition_penalty", 1.0), max_tokens=req.max_output_tokens)
+                                repetition_penalty=d.get("repetition_penalty", 1.0), max_tokens=req.max_output_tokens,
+                                structured_outputs=structured_outputs_from_text_format((req.text or {}).get("format")))
         rid = random_id("resp").replace("-", "_", 1)
         streams = await self.submit([rid], [(text, ids)], [params], max_tokens_param="max_output_tokens")
         ctx = _Ctx(req, rid, conversation, int(time.time()))

@@ -63,6 +63,8 @@ class SpeculativeDecoder:
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1:  # still prefilling
                 continue
+            if seq.matcher is not None:  # drafts are not checked against a grammar: constrained ones decode one by one
+                continue
             state = seq.spec if seq.spec is not None else _SeqState()
             seq.spec = state
             if state.disabled:

@@ -43,6 +43,13 @@ class DraftPosition:
         return self.seq.params
 
     @property
+    def matcher(self):
+        # constrained sequences get no drafts (decoder.propose): their only position is the bonus one,
+        # where the matcher's state is the sequence's own
+        assert self.seq.matcher is None or not self.extra
+        return self.seq.matcher
+
+    @property
     def index(self):
         return self.seq.index
 
