@@ -156,7 +156,7 @@ def test_constrained_requests_decode_without_drafts_under_speculation(llama_dir)
 # over HTTP with the real openai client
 @pytest.fixture(scope="module")
 def srv(llama_dir):
-    return InProcessServer(llama_dir)
+    return InProcessServer(llama_dir, max_model_len=1024)  # room for the tools the chat template renders
 
 
 class Place(pydantic.BaseModel):
@@ -249,6 +249,63 @@ def test_invalid_constraint_is_a_400_naming_the_field(srv, body, param, message)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == param and message in err["message"], err
+        assert srv.free_blocks_ok()
+
+    srv.run(go)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+             "required": ["zone"], "additionalProperties": False}}}]
+
+
+def _check_call(call, name=None):
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    fn = call["function"]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert fn["name"] in schemas and (name is None or fn["name"] == name)
+    jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+
+
+def test_forced_tool_calls_always_parse_streaming_and_not(srv):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def go(h, c):
+        for seed in range(3):
+            # (an unbounded "required" array is valid too, but random weights seldom close it)
+            for choice, parallel in ((named, None), ("required", False)):
+                kw = dict(model=srv.model, messages=HI, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=100)
+                if parallel is not None:
+                    kw["parallel_tool_calls"] = parallel
+                r = await c.chat.completions.create(**kw)
+                ch = r.choices[0]
+                assert ch.finish_reason == "tool_calls" and ch.message.content is None
+                calls = [tc.model_dump() for tc in ch.message.tool_calls]
+                assert calls and (parallel is not False or len(calls) == 1)
+                for call in calls:
+                    _check_call(call, "get_weather" if choice is named else None)
+                stream = await c.chat.completions.create(stream=True, **kw)
+                deltas, finish = [], None
+                async for chunk in stream:
+                    if chunk.choices:
+                        d = chunk.choices[0].delta
+                        assert not d.content
+                        deltas.extend(tc.model_dump() for tc in d.tool_calls or [])
+                        finish = chunk.choices[0].finish_reason or finish
+                assert finish == "tool_calls" and [d["index"] for d in deltas] == list(range(len(deltas)))
+                assert [d["function"] for d in deltas] == [c["function"] for c in calls]  # same seed, same call
+        # a forced call cut by max_tokens is text with finish_reason length, never a broken call
+        r = await c.chat.completions.create(model=srv.model, messages=HI, tools=TOOLS, tool_choice=named,
+                                            max_tokens=3)
+        assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+        bad = await h.post("/v1/chat/completions", json={
+            "model": srv.model, "messages": HI, "tools": TOOLS, "tool_choice": "required",
+            "response_format": {"type": "json_object"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
         assert srv.free_blocks_ok()
 
     srv.run(go)

@@ -198,11 +198,11 @@ class ChatCompletionRequest(_CommonFields):
     top_logprobs: int | None = supported(None)
     max_completion_tokens: int | None = supported(None)
     tools: list[dict[str, Any]] | None = partial(
-        None, "rendered into the chat template; served with tool_choice 'none' only (tool-call parsing and "
-              "forced calls are not implemented: other choices are a 400)")
-    tool_choice: Any = partial(None, "'none' only; 'auto' (the default when tools are given), 'required' "
-                                     "and a named tool are a 400")
-    parallel_tool_calls: bool | None = supported(None, "no effect: tool calls are never made (tool_choice 'none')")
+        None, "rendered into the chat template; served with tool_choice 'none', 'required' or a named "
+              "function (forced by the grammar); 'auto' (tool-call parsing) is a 400")
+    tool_choice: Any = partial(None, "'none', 'required', a named function; 'auto' (the default when tools are "
+                                     "given) is a 400")
+    parallel_tool_calls: bool | None = supported(None, "with tool_choice 'required': false allows one call only")
     functions: list[dict[str, Any]] | None = rejected(None, "the legacy function-calling API is not implemented",
                                                       [{"name": "f"}])
     function_call: Any = rejected(None, "the legacy function-calling API is not implemented", "auto")
@@ -350,6 +350,14 @@ class ChatLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # a forced tool call (tool_choice required / named)
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_tool_calls(self, handler):
+        d = handler(self)
+        if d.get("tool_calls") is None:
+            d.pop("tool_calls", None)
+        return d
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -377,6 +385,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

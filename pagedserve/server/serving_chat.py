@@ -21,6 +21,8 @@ from pagedserve.engine.request_stream import (
     RequestAbortedError,
 )
 from pagedserve.errors import InvalidRequestError
+from pagedserve.structured import StructuredOutputsParams
+from pagedserve.structured.forced_tools import forced_call_schema, tool_calls_from_text
 from pagedserve.server.protocol import (
     SSE_DONE,
     SSE_PING,
@@ -56,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_request(req)
-        tools = self._check_tools(req)
+        tools, forced = self._check_tools(req)
         self._check_openai_options(req)
         text = self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
                                 continue_final_message=req.continue_final_message,
@@ -78,20 +80,26 @@ class OpenAIServingChat(OpenAIServing):
         num_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=num_lp,
                                       prompt_logprobs=req.prompt_logprobs)
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise APIError(f"tool_choice {req.tool_choice!r} forces a tool call's JSON: it cannot be combined "
+                               f"with {params.structured_outputs.param}.", 400, param="tool_choice")
+            params.structured_outputs = StructuredOutputsParams(json=forced[0], param="tool_choice")
         rid = self.response_id(req, "chatcmpl")
         if req.stream:
             streams = await self.submit([rid], [(text, ids)], [params], max_tokens_param=max_param)
-            return SSEResponse(self._stream(req, rid, streams[0], len(ids)), on_close=lambda: self.engine.abort(rid))
+            return SSEResponse(self._stream(req, rid, streams[0], len(ids), forced),
+                               on_close=lambda: self.engine.abort(rid))
         try:
-            body = await run_until_disconnect(raw, self._full(req, rid, text, ids, params, max_param))
+            body = await run_until_disconnect(raw, self._full(req, rid, text, ids, params, max_param, forced))
         except ClientDisconnected:
             return Response(status_code=499)
         return JSONResponse(body)
 
-    def _check_tools(self, req: ChatCompletionRequest) -> list[dict] | None:
-        """The tools to render into the prompt. Only tool_choice 'none' is served: the model sees the
-        tools (as in vLLM) and answers in text. 'auto' (the default when tools are given) needs
-        tool-call parsing, 'required' and a named tool need constrained decoding: both a 400."""
+    def _check_tools(self, req: ChatCompletionRequest) -> tuple[list[dict] | None, tuple | None]:
+        """The tools to render into the prompt, and for 'required' or a named tool the forced call's
+        (JSON schema, function name or None). With 'none' the model sees the tools (as in vLLM) and
+        answers in text. 'auto' (the default when tools are given) needs tool-call parsing: a 400."""
         choice = req.tool_choice
         if req.parallel_tool_calls is not None and not req.tools:
             raise APIError("parallel_tool_calls is only allowed when tools are given.", 400,
@@ -99,16 +107,18 @@ class OpenAIServingChat(OpenAIServing):
         if not req.tools:
             if choice not in (None, "none"):
                 raise APIError("tool_choice needs tools.", 400, param="tool_choice")
-            return None
+            return None, None
         if choice == "none":  # no call is made, so parallel_tool_calls changes nothing
-            return req.tools
+            return req.tools, None
+        if choice == "required" or isinstance(choice, dict):
+            try:
+                return req.tools, forced_call_schema(req.tools, choice, req.parallel_tool_calls)
+            except InvalidRequestError as e:
+                raise APIError(str(e), 400, param=e.param) from None
         shown = "auto (the default when tools are given)" if choice is None else repr(choice)
-        if choice in (None, "auto"):
-            why = "tool-call parsing is not implemented"
-        else:
-            why = "forcing a tool call needs constrained decoding (structured outputs), which is not supported yet"
-        raise APIError(f"tool_choice {shown} is not supported: {why}. Use tool_choice 'none' to show the tools to "
-                       "the model and get a text answer.", 400, param="tool_choice")
+        raise APIError(f"tool_choice {shown} is not supported: tool-call parsing is not implemented. Use "
+                       "'required' or a named function to force a call, or 'none' to get a text answer.", 400,
+                       param="tool_choice")
 
     def _check_openai_options(self, req: ChatCompletionRequest) -> None:
         if req.modalities is not None and list(req.modalities) != ["text"]:
@@ -136,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
     def _role(self, req) -> str:
         return ROLE if req.add_generation_prompt else req.messages[-1].get("role", ROLE)
 
-    async def _full(self, req, rid, text, ids, params, max_param: str) -> dict:
+    async def _full(self, req, rid, text, ids, params, max_param: str, forced=None) -> dict:
         streams = await self.submit([rid], [(text, ids)], [params], max_tokens_param=max_param)
         final = None
         try:
@@ -151,10 +161,14 @@ class OpenAIServingChat(OpenAIServing):
         echo = self._echo(req)
         for o in sorted(final.outputs, key=lambda o: o.index):
             n_gen += len(o.token_ids)
+            message, finish = ChatMessage(role=self._role(req), content=echo + o.text), o.finish_reason
+            if forced is not None and finish == "stop":  # complete: the constraint guarantees it parses
+                message, finish = ChatMessage(role=self._role(req), tool_calls=tool_calls_from_text(
+                    o.text, forced[1])), "tool_calls"
             choices.append(ChatCompletionResponseChoice(
-                index=o.index, message=ChatMessage(role=self._role(req), content=echo + o.text),
+                index=o.index, message=message,
                 logprobs=self._logprobs(req, o.token_ids, o.logprobs),
-                finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                finish_reason=finish, stop_reason=o.stop_reason,
                 token_ids=list(o.token_ids) if req.return_token_ids else None))
         n_prompt = len(final.prompt_token_ids)
         resp = ChatCompletionResponse(
@@ -169,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
     def _service_tier(req) -> str:
         return "default"  # one tier: what OpenAI reports for 'auto' and 'default'
 
-    async def _stream(self, req, rid, stream, n_prompt: int) -> AsyncIterator[str]:
+    async def _stream(self, req, rid, stream, n_prompt: int, forced=None) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.ctx.model_name
         n = req.n
@@ -218,6 +232,17 @@ class OpenAIServingChat(OpenAIServing):
                     delta = o.text[prev_text[idx]:]
                     new_ids = o.token_ids[prev_tok[idx]:]
                     fin = o.finish_reason
+                    if forced is not None:  # the call goes out whole once its JSON is complete
+                        if fin is None:
+                            continue
+                        delta = o.text
+                        if fin == "stop":
+                            calls = tool_calls_from_text(o.text, forced[1])
+                            yield chunk(ChatCompletionStreamChoice(index=idx, delta=DeltaMessage(tool_calls=[
+                                {"index": k, **c} for k, c in enumerate(calls)]), finish_reason="tool_calls"),
+                                **extra)
+                            extra, done[idx], gen_tokens[idx] = {}, True, len(o.token_ids)
+                            continue
                     want_lp = bool(req.logprobs) and bool(new_ids)
                     if not delta and not want_lp and fin is None and not (as_list and new_ids):
                         continue
