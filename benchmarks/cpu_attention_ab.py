@@ -34,10 +34,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from pagedserve.model.attention import cpu_kernels  # noqa: E402
+from pagedserve.kernels.cpu import paged_attention as cpu_kernels  # noqa: E402
 from pagedserve.runner.cpu_memory import zeroed_cpu_tensor  # noqa: E402
 
-CSRC = "pagedserve/model/attention/csrc"
+CSRC = "pagedserve/kernels/cpu"
 H, KVH, D, BS = 8, 4, 64, 16
 ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
 

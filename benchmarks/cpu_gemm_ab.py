@@ -32,7 +32,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pagedserve.bench.workloads import MODEL_SHAPES, VOCAB  # noqa: E402
-from pagedserve.model import cpu_gemm  # noqa: E402
+from pagedserve.kernels.cpu import gemm as cpu_gemm  # noqa: E402
 
 
 def layer_shapes(shape: dict) -> list[tuple[str, int, int, int]]:

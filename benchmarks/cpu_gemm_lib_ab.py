@@ -1,4 +1,4 @@
-"""A/B of the native CPU GEMM library: this checkout's csrc/gemm_cpu.cpp against another git revision's.
+"""A/B of the native CPU GEMM library: this checkout's kernels/cpu/gemm_cpu.cpp against another git revision's.
 
 Not part of CI. Builds the base revision's library with the engine's flags beside this checkout's,
 packs a benchmark model's weights with each (every layer its own weights, so that, as in the
@@ -28,13 +28,14 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pagedserve.bench.workloads import MODEL_SHAPES, VOCAB  # noqa: E402
-from pagedserve.model import cpu_gemm, cpu_linear  # noqa: E402
+from pagedserve.kernels.cpu import gemm as cpu_gemm
+from pagedserve.runner import cpu_packing as cpu_linear  # noqa: E402
 
-CSRC = "pagedserve/model/csrc"
+CSRC = "pagedserve/kernels/cpu"
 
 
 def build_base(rev: str, dest: Path):
-    """The library of git revision `rev`, built from its csrc folder with this checkout's flags."""
+    """The library of git revision `rev`, built from its kernels/cpu folder with this checkout's flags."""
     names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{CSRC}"], check=True,
                            capture_output=True, text=True).stdout.split()
     for name in names:

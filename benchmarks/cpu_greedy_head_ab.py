@@ -1,5 +1,5 @@
 """The greedy LM head three ways, alternated in one process: the plain float32 head + argmax, the
-bfloat16 screen and the int8 screen (model/greedy_head.py); with --dtype bfloat16, a bfloat16
+bfloat16 screen and the int8 screen (runner/greedy_head.py); with --dtype bfloat16, a bfloat16
 head + argmax against its int8 screen.
 
 Not part of CI. Uses a benchmark model's own LM head weights (built if missing) and hidden rows
@@ -25,7 +25,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pagedserve.bench.workloads import bench_model_dir  # noqa: E402
-from pagedserve.model import cpu_fused, cpu_gemm, greedy_head  # noqa: E402
+from pagedserve.kernels.cpu import fused_ops as cpu_fused, gemm as cpu_gemm
+from pagedserve.runner import greedy_head  # noqa: E402
 
 
 def lm_head_weight(model: str) -> torch.Tensor:

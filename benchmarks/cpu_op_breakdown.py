@@ -56,8 +56,9 @@ def main() -> None:
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.bench.workloads import bench_model_dir, make_workload
-    from pagedserve.model import cpu_fused, llama
-    from pagedserve.model.attention import torch_backend
+    from pagedserve.kernels.cpu import fused_ops as cpu_fused
+    from pagedserve.model import llama
+    from pagedserve.attention import torch_backend
 
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

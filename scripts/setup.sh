@@ -44,4 +44,4 @@ fi
 # Compile the native CPU kernels now (cached per source and CPU under $PAGEDSERVE_CACHE, default
 # ~/.cache/pagedserve/kernels), so that the first start does not pay ~10 s of g++. Without a
 # compiler the engine runs on torch ops; the line printed says so.
-"$VPY" -m pagedserve.model.native_build | grep -v ': ready$' >&2 || true
+"$VPY" -m pagedserve.kernels.cpu.build | grep -v ': ready$' >&2 || true

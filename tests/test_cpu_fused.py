@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.model import cpu_fused
+from pagedserve.kernels.cpu import fused_ops as cpu_fused
 from pagedserve.model.llama import RMSNorm
 from pagedserve.model.rope import RotaryEmbedding
 from hf_reference import hf_greedy, random_prompts

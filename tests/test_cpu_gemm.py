@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.model import cpu_gemm
-from pagedserve.model.cpu_linear import PackedLinear, pack_linears
+from pagedserve.kernels.cpu import gemm as cpu_gemm
+from pagedserve.runner.cpu_packing import PackedLinear, pack_linears
 from hf_reference import hf_greedy, hf_logprobs, random_prompts
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.usable(), reason="native GEMM needs a C++ compiler and an AVX2/FMA CPU")
@@ -137,7 +137,7 @@ def test_bf16_linear_is_float32_sums_rounded_once(threads, bf16_tile, m, k, n):
 @pytest.mark.parametrize("i,k", [(8, 24), (40, 37), (1536, 512), (72, 1100)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_up_silu_epilogue_is_gemm_then_silu_mul(threads, tile, dtype, m, i, k):
-    from pagedserve.model import cpu_fused
+    from pagedserve.kernels.cpu import fused_ops as cpu_fused
     if cpu_fused.load() is None:
         pytest.skip(f"fused ops unavailable: {cpu_fused.failure_reason()}")
     g = torch.Generator().manual_seed(m + i + k)
@@ -163,7 +163,7 @@ def test_gate_up_epilogue_refuses_shapes_it_cannot_store():
 def test_pack_linears_gives_the_mlp_its_silu_epilogue():
     from transformers import LlamaConfig
 
-    from pagedserve.model.cpu_fused import silu_mul
+    from pagedserve.kernels.cpu.fused_ops import silu_mul
     from pagedserve.model.llama import MLP
     from pagedserve.model.spec import ModelSpec
     spec = ModelSpec.from_hf_config(LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,

@@ -4,7 +4,7 @@ import torch
 
 from hf_reference import hf_greedy, random_prompts
 from pagedserve import LLM, SamplingParams
-from pagedserve.model.attention import cpu_kernels
+from pagedserve.kernels.cpu import paged_attention as cpu_kernels
 
 
 def _reference(q, kc, vc, bt, lens, scale):

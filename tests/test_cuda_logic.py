@@ -224,7 +224,7 @@ def test_profile_peak_memory_measures_activation_peak():
 def test_modules_import_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
-        "from pagedserve.model.attention import triton_kernels as tk\n"
+        "from pagedserve.kernels.triton import paged_attention as tk\n"
         "import pagedserve.runner.cuda_graphs, pagedserve.runner.memory_profile\n"
         "assert tk.triton_available() is False\n"
         "try:\n"

@@ -1,4 +1,4 @@
-"""The screened greedy LM head (model/greedy_head.py): its argmax is the float32 head's, bit for
+"""The screened greedy LM head (runner/greedy_head.py): its argmax is the float32 head's, bit for
 bit and ties included, on every GEMM tile this CPU runs; its error bound holds; the engine uses it
 only for steps that take nothing but argmaxes, and stays token-identical to transformers."""
 import pytest
@@ -7,7 +7,8 @@ from torch import nn
 
 from hf_reference import hf_greedy, random_prompts
 from pagedserve import LLM, SamplingParams
-from pagedserve.model import cpu_fused, cpu_gemm, greedy_head
+from pagedserve.kernels.cpu import fused_ops as cpu_fused, gemm as cpu_gemm
+from pagedserve.runner import greedy_head
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.usable(), reason="native GEMM needs a C++ compiler and an AVX2/FMA CPU")
 

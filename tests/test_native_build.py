@@ -20,7 +20,7 @@ def _run(code: str, cache, **env) -> subprocess.CompletedProcess:
 
 def test_background_build_fills_an_empty_cache_then_has_nothing_to_do(tmp_path):
     out = _run("""
-        from pagedserve.model import native_build
+        from pagedserve.kernels.cpu import build as native_build
         threads = native_build.build_all_in_background()
         print("started", sorted(t.name for t in threads))
         for t in threads:
@@ -34,7 +34,7 @@ def test_background_build_fills_an_empty_cache_then_has_nothing_to_do(tmp_path):
     assert not list(tmp_path.glob("kernels/*/tmp-*"))
 
     # the install-time entry point finds them cached and loads each one
-    pre = _python(["-m", "pagedserve.model.native_build"], tmp_path)
+    pre = _python(["-m", "pagedserve.kernels.cpu.build"], tmp_path)
     assert pre.returncode == 0, pre.stderr
     for lib in LIBS:
         assert f"{lib}: ready" in pre.stdout
@@ -42,7 +42,7 @@ def test_background_build_fills_an_empty_cache_then_has_nothing_to_do(tmp_path):
 
 def test_turned_off_kernels_are_not_built(tmp_path):
     out = _run("""
-        from pagedserve.model import native_build
+        from pagedserve.kernels.cpu import build as native_build
         print("started", len(native_build.build_all_in_background()))
     """, tmp_path, PAGEDSERVE_CPU_KERNELS="0")
     assert out.returncode == 0, out.stderr
@@ -58,7 +58,7 @@ def test_every_library_compiles_for_the_other_instruction_set_family(tmp_path):
 
     import pytest
 
-    from pagedserve.model import native_build
+    from pagedserve.kernels.cpu import build as native_build
 
     cxx = shutil.which("g++")
     if cxx is None:

@@ -20,7 +20,7 @@ def _shipped(path: Path, patterns: list[str]) -> bool:
 
 def test_native_sources_and_their_local_includes_are_package_data():
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve"]
-    sources = sorted(PACKAGE.rglob("csrc/*.cpp"))
+    sources = sorted(PACKAGE.rglob("*.cpp"))
     assert sources, "no native sources found"
     seen = set()
     todo = list(sources)

@@ -9,7 +9,8 @@ import torch
 from hf_reference import hf_greedy, random_prompts
 from pagedserve import LLM, SamplingParams
 from pagedserve.errors import ConfigError
-from pagedserve.model.attention import select_backend, triton_kernels as tk
+from pagedserve.attention import select_backend
+from pagedserve.kernels.triton import paged_attention as tk
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # the 1- and 6-token prompts decode while the 41-token one is still prefilling in chunks

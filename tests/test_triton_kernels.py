@@ -15,7 +15,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pagedserve.model.attention import triton_kernels as tk  # noqa: E402
+from pagedserve.kernels.triton import paged_attention as tk  # noqa: E402
 
 ATOL = 1e-4
 RTOL = 1e-4

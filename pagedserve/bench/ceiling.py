@@ -49,7 +49,7 @@ def _linear_variants(w: torch.Tensor, rows: int):
         except (RuntimeError, AttributeError):
             pass
     if w.device.type == "cpu":
-        from pagedserve.model import cpu_gemm
+        from pagedserve.kernels.cpu import gemm as cpu_gemm
 
         if w.dtype in cpu_gemm.DTYPES and cpu_gemm.usable():
             packed_native = cpu_gemm.pack_weight(w)

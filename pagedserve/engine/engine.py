@@ -34,11 +34,11 @@ def prepare_cpu_model(model, device: torch.device, max_num_seqs: int) -> None:
     """Prepack a loaded model's linears for this CPU and attach the screened greedy head."""
     if device.type != "cpu" or os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") == "0":
         return
-    from pagedserve.model.cpu_linear import pack_linears
+    from pagedserve.runner.cpu_packing import pack_linears
 
     n, path = pack_linears(model, batch_hint=min(max_num_seqs, 256))
     log.info("prepacked %d linear layers for %s", n, path)
-    from pagedserve.model import greedy_head
+    from pagedserve.runner import greedy_head
 
     screen = greedy_head.attach(model)
     if screen:
@@ -55,7 +55,7 @@ class LLMEngine:
             # dequantized / small-magnitude weights produce denormals that slow x86 FP units many-fold
             torch.set_flush_denormal(True)
             # compile any native kernel not cached yet while the tokenizer and weights load
-            from pagedserve.model.native_build import build_all_in_background
+            from pagedserve.kernels.cpu.build import build_all_in_background
 
             build_all_in_background()
         torch.manual_seed(config.seed)

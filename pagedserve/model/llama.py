@@ -3,7 +3,7 @@
 The model sees a flat batch of tokens with their positions and attention metadata; it knows
 nothing of requests. q/k/v and gate/up projections are fused into single GEMMs at load time.
 Numerics follow transformers: RMSNorm in float32, rotary tables in float32, logits in float32.
-A float32 or bfloat16 model on the CPU runs its element-wise steps as fused native ops (model/cpu_fused.py):
+A float32 or bfloat16 model on the CPU runs its element-wise steps as fused native ops (kernels/cpu/fused_ops.py):
 the residual stream is then carried as (residual, delta) so each residual add happens inside the
 next RMSNorm's pass, and rotary embedding writes K/V straight into the cache.
 """
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.model import cpu_fused
-from pagedserve.model.attention.metadata import AttentionMetadata
+from pagedserve.kernels.cpu import fused_ops as cpu_fused
+from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.model.rope import RotaryEmbedding
 from pagedserve.model.spec import ModelSpec
 

@@ -1,6 +1,6 @@
 """ctypes binding of csrc/quant_linear_cpu.cpp: linears computed from grouped integer weights.
 
-Built like the engine's other native libraries (model/native_build.py: on first use, cached per
+Built like the engine's other native libraries (kernels/cpu/build.py: on first use, cached per
 source, flags and CPU). `load()` is None without a compiler or with PAGEDSERVE_CPU_KERNELS=0; the
 quantized linears then dequantize with torch ops (grouped.py), slower but the same arithmetic.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from pagedserve.model import native_build
+from pagedserve.kernels.cpu import build as native_build
 
 _SRC = Path(__file__).parent / "csrc" / "quant_linear_cpu.cpp"
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.model.attention.metadata import AttentionMetadata
+from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes
 
 

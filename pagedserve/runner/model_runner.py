@@ -10,8 +10,8 @@ import torch
 
 from pagedserve.engine.profiler import NULL_PHASE
 from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pagedserve.model.attention import AttentionMetadata, select_backend
-from pagedserve.model.attention.metadata import PrefillSpan
+from pagedserve.attention import AttentionMetadata, select_backend
+from pagedserve.attention.metadata import PrefillSpan
 from pagedserve.runner.kv_cache import KVCache
 from pagedserve.runner.sampler import SampledToken, Sampler, SamplingBatch
 
@@ -152,7 +152,7 @@ class ModelRunner:
             screen = getattr(self.model, "greedy_head", None) if batch.argmax_only else None
             with phase("logits"):  # the LM head, only for the rows that sample
                 rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
-                if screen is not None:  # the head's own argmax without computing every logit (model/greedy_head.py)
+                if screen is not None:  # the head's own argmax without computing every logit (runner/greedy_head.py)
                     tokens = [SampledToken(t) for t in screen.argmax(hidden[rows]).tolist()]
                 else:
                     # a batch that only takes argmaxes skips the float32 copy of bfloat16 logits

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.sequence import Sequence
-from pagedserve.model import cpu_fused
+from pagedserve.kernels.cpu import fused_ops as cpu_fused
 from pagedserve.structured.bitmask import apply_bitmask, compute_bitmask
 
 _NEG_INF = float("-inf")

@@ -17,8 +17,8 @@ import os
 import torch
 
 from pagedserve.errors import ConfigError
-from pagedserve.model.attention.metadata import AttentionMetadata  # noqa: F401
-from pagedserve.model.attention.torch_backend import TorchAttentionBackend
+from pagedserve.attention.metadata import AttentionMetadata  # noqa: F401
+from pagedserve.attention.torch_backend import TorchAttentionBackend
 
 log = logging.getLogger("pagedserve")
 
@@ -27,8 +27,8 @@ CHOICES = ("torch", "triton", "flash-attn")
 
 
 def _triton(device: torch.device, block_size):
-    from pagedserve.model.attention import triton_kernels as tk
-    from pagedserve.model.attention.triton_backend import TritonAttentionBackend
+    from pagedserve.kernels.triton import paged_attention as tk
+    from pagedserve.attention.triton_backend import TritonAttentionBackend
 
     if not tk.triton_available():
         raise RuntimeError("triton is not installed (pip install triton)")
@@ -39,7 +39,7 @@ def _triton(device: torch.device, block_size):
 
 
 def _flash(device: torch.device, block_size):
-    from pagedserve.model.attention.flash_attn_backend import FlashAttnBackend
+    from pagedserve.attention.flash_attn_backend import FlashAttnBackend
 
     if device.type != "cuda":
         raise RuntimeError(f"flash-attn needs a CUDA device; the engine runs on {device}")

@@ -24,7 +24,7 @@
 // 16-key / 16-dim cases use 16-wide vectors (~1.1x on the workloads' shapes, cpu_attention_ab.py).
 // Other head sizes and CPUs take a scalar path with the rows structure. Plain C ABI, called
 // through ctypes, so it builds in a couple of seconds without torch's headers. The headers are
-// part of the build's cache key (model/native_build.py).
+// part of the build's cache key (build.py).
 #include <type_traits>
 
 #include "paged_attention_amx.h"

@@ -2,7 +2,7 @@
 
 torch's default `linear` on the CPU re-lays the weight out for the GEMM kernel on every call. Two
 prepacked paths replace it, the first that works on this machine:
-  1. our own GEMM (model/cpu_gemm.py; AVX2 or AVX-512 tiles), 1.1-1.3× oneDNN's rate on the
+  1. our own GEMM (kernels/cpu/gemm.py; AVX2 or AVX-512 tiles), 1.1-1.3× oneDNN's rate on the
      decoder's float32 shapes on AVX2 CPUs, about its rate on AVX-512 ones; for bfloat16
      weights ~9× torch's linear on AVX2-only CPUs and ~1.3× on AVX512-BF16 Xeons without AMX,
      and on AMD Zen 4 a vdpbf16ps tile at ~0.85-1.1× oneDNN's bfloat16 rate;
@@ -56,7 +56,7 @@ def _pack_onednn(linear: nn.Linear, batch_hint: int) -> PackedLinear | None:
 def _native_linear(layer: nn.Linear) -> nn.Module:
     """A layer marked `gate_up_halves` (the MLP's fused [gate | up] projection) gets the GEMM whose
     tiles store silu(gate) · up where its shape allows; every other layer a plain NativeLinear."""
-    from pagedserve.model import cpu_gemm
+    from pagedserve.kernels.cpu import gemm as cpu_gemm
 
     if getattr(layer, "gate_up_halves", False) and os.environ.get("PAGEDSERVE_SILU_EPILOGUE", "1") != "0":
         try:
@@ -67,7 +67,7 @@ def _native_linear(layer: nn.Linear) -> nn.Module:
 
 
 def _onednn_dtypes() -> tuple[torch.dtype, ...]:
-    from pagedserve.model import cpu_gemm
+    from pagedserve.kernels.cpu import gemm as cpu_gemm
 
     if not torch.backends.mkldnn.is_available():
         return ()
@@ -76,7 +76,7 @@ def _onednn_dtypes() -> tuple[torch.dtype, ...]:
 
 def _packers(batch_hint: int):
     """[(name, function nn.Linear → packed module or None, weight dtypes it takes)], best path first."""
-    from pagedserve.model import cpu_gemm
+    from pagedserve.kernels.cpu import gemm as cpu_gemm
 
     packers = []
     if os.environ.get("PAGEDSERVE_CPU_GEMM", "native") != "onednn" and cpu_gemm.usable():

@@ -1,4 +1,4 @@
-"""Fused element-wise ops for the CPU (csrc/fused_ops_cpu.cpp), called through ctypes.
+"""Fused element-wise ops for the CPU (fused_ops_cpu.cpp), called through ctypes.
 
 One pass each for RMSNorm (with the residual add before it), SiLU·mul, rotary embedding with the
 K/V cache write, and argmax; torch needs 3 to 14 ops for each. `usable(x)` says whether a tensor
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.model import native_build
+from pagedserve.kernels.cpu import build as native_build
 
-_SRC = Path(__file__).parent / "csrc" / "fused_ops_cpu.cpp"
+_SRC = Path(__file__).parent / "fused_ops_cpu.cpp"
 # no contraction into fused multiply-adds: products and sums are rounded as torch rounds them
 _FLAGS = native_build.BASE_FLAGS + ["-ffp-contract=off"]
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.model.attention import triton_kernels as tk
-from pagedserve.model.attention.metadata import AttentionMetadata
-from pagedserve.model.attention.triton_backend import paged_view
+from pagedserve.kernels.triton import paged_attention as tk
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.triton_backend import paged_view
 
 
 def load_flash_attn(block_size: int | None):

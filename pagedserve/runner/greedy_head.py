@@ -6,7 +6,7 @@ The LM head is ~40 % of a decode token's FLOPs on the small benchmark model (voc
 sampler's `argmax_only`) does not need every logit exactly, only the largest. So the product runs
 first on a cheap copy of the hidden rows and of W, and every token whose screened logit could still
 be the row's largest is computed again in float32, bit for bit as the float32 GEMM computes it
-(csrc/greedy_screen.h). The result is the float32 head's argmax, ties included, not an
+(greedy_screen.h). The result is the float32 head's argmax, ties included, not an
 approximation of it. The screen's logits are never stored: each finished GEMM tile updates its
 thread's running threshold per row and keeps the tokens within reach.
 
@@ -36,7 +36,7 @@ rounded to bfloat16 as the tile stores it; ties after that rounding are common, 
 within one bfloat16 step of the largest logit stays in as well, and the first of the largest
 wins, as argmax over the head's own logits. The tiles keep tokens within a step of the largest
 logit possible (2⁻⁷·‖h‖·max‖W[v]‖); before the exact checks that margin is cut to a step of the
-largest logit's own bounds (csrc gemm_cpu.cpp, screen_finish). ~17 tokens per row pass; 13
+largest logit's own bounds (gemm_cpu.cpp, screen_finish). ~17 tokens per row pass; 13
 instead of 21 ms at 256 rows (the medium model's head: ~48, 28 instead of 41 ms). Rows with a NaN
 or an infinity fall back to the full float32 row. PAGEDSERVE_GREEDY_SCREEN: `auto`
 (default: int8 where the CPU has AVX512-VNNI, else bfloat16 where the vdpbf16ps tile runs, else
@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from pagedserve.model import cpu_gemm
+from pagedserve.kernels.cpu import gemm as cpu_gemm
 
 log = logging.getLogger("pagedserve")
 
@@ -168,7 +168,7 @@ class ScreenedGreedyHead:
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Token ids [M] (int64): the first index of each row's largest logit, as the head computes
         them (float32, or rounded to bfloat16 for a bfloat16 head)."""
-        from pagedserve.model import cpu_fused
+        from pagedserve.kernels.cpu import fused_ops as cpu_fused
 
         if self.bf16_head and not cpu_gemm.bf16_dot():  # the head left the vdpbf16ps tile (an A/B switch)
             return cpu_fused.argmax(self.head(hidden))

@@ -8,7 +8,7 @@ processes starting at once build it only once.
 A cold start compiles three libraries, ~12 s of one Zen 3 core in all; `build_all_in_background`
 starts them side by side, in threads (the compiler runs as a subprocess, so they do not wait on
 the GIL), while the engine imports transformers and loads the weights. `python -m
-pagedserve.model.native_build` builds them ahead, at install time (scripts/setup.sh runs it).
+pagedserve.kernels.cpu.build` builds them ahead, at install time (scripts/setup.sh runs it).
 """
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ _LIBRARIES: list["NativeLibrary"] = []  # every library declared (one per module
 
 def _declare_cpu_libraries() -> list["NativeLibrary"]:
     """The CPU libraries of the engine (importing their modules declares them)."""
-    import pagedserve.model.attention.cpu_kernels  # noqa: F401
-    import pagedserve.model.cpu_fused  # noqa: F401
-    import pagedserve.model.cpu_gemm  # noqa: F401
+    import pagedserve.kernels.cpu.paged_attention  # noqa: F401
+    import pagedserve.kernels.cpu.fused_ops  # noqa: F401
+    import pagedserve.kernels.cpu.gemm  # noqa: F401
     import pagedserve.quant.cpu_kernels  # noqa: F401
 
     return list(_LIBRARIES)
@@ -160,6 +160,6 @@ def build_all_now() -> None:
 
 if __name__ == "__main__":
     # through the package's module, not this __main__ copy: the libraries register there
-    from pagedserve.model import native_build
+    from pagedserve.kernels.cpu import build as native_build
 
     native_build.build_all_now()

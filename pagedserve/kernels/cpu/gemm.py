@@ -1,8 +1,8 @@
-"""Float32 and bfloat16 linear layers on our own GEMM (csrc/gemm_cpu.cpp), called through ctypes.
+"""Float32 and bfloat16 linear layers on our own GEMM (gemm_cpu.cpp), called through ctypes.
 
 The weight is packed once into 16-column panels; each call packs the activations into row panels
-and runs a register-tile kernel: 6×16 on AVX2 CPUs, 8×48 on AVX-512 ones (csrc/
-gemm_tile_avx512.h). On the decoder's shapes this measured 1.1-1.3× the rate of oneDNN with a
+and runs a register-tile kernel: 6×16 on AVX2 CPUs, 8×48 on AVX-512 ones
+(gemm_tile_avx512.h). On the decoder's shapes this measured 1.1-1.3× the rate of oneDNN with a
 prepacked weight on an AVX2 machine and about the same as it on an AVX-512 Xeon
 (benchmarks/cpu_gemm_ab.py). `usable()` is False where the library can't be built (no compiler,
 PAGEDSERVE_CPU_KERNELS=0) or the CPU lacks AVX2/FMA; the caller then keeps oneDNN or torch's
@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.model import native_build
+from pagedserve.kernels.cpu import build as native_build
 
-_SRC = Path(__file__).parent / "csrc" / "gemm_cpu.cpp"
+_SRC = Path(__file__).parent / "gemm_cpu.cpp"
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # no contraction into fused multiply-adds: the gate/up epilogue's SiLU must round as the fused ops'
-# does (csrc/silu.h); the tiles' own FMAs are explicit
+# does (silu.h); the tiles' own FMAs are explicit
 _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS + ["-ffp-contract=off"], "libpagedserve_gemm.so", {
     "gemm_f32_supported": (_N, []),
     "gemm_f32_packed_size": (_I, [_I, _I]),
@@ -239,7 +239,7 @@ class NativeGateUp(nn.Module):
         """silu(gate) · up of x [.., K] → [.., I], in the weight's dtype."""
         x2 = x.reshape(-1, self.in_features)
         if self._fn is None or x2.dtype != self.packed.dtype or x2.stride(-1) != 1 or x2.stride(0) < self.in_features:
-            from pagedserve.model import cpu_fused
+            from pagedserve.kernels.cpu import fused_ops as cpu_fused
 
             return cpu_fused.silu_mul(self.forward(x2)).view(*x.shape[:-1], self.out_features // 2)
         out = torch.empty((x2.shape[0], self.out_features // 2), dtype=x2.dtype)

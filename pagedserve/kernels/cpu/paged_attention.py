@@ -4,7 +4,7 @@ The paged kernel reads K/V rows where they lie in the block pool, for the whole 
 fresh prompts, and prompt chunks with earlier context (chunked prefill, prefix-cache hits). The
 portable torch path must first gather every decode's context into a padded copy, per layer and
 step, which at large batches costs more than the attention itself. The library is built on first
-use (model/native_build.py). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0, the engine keeps
+use (kernels/cpu/build.py). Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0, the engine keeps
 the torch path.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.model import native_build
+from pagedserve.kernels.cpu import build as native_build
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SRC = Path(__file__).parent / "paged_attention_cpu.cpp"
 # fast-math-style reassociation for the dot products; not -ffinite-math (softmax starts at -inf)
 _FLAGS = native_build.BASE_FLAGS + ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
                                     "-freciprocal-math"]
@@ -97,7 +97,7 @@ def set_bf16_dot(on: bool | None) -> bool:
     AMD Zen 4). For A/B runs and tests. Returns whether the walk is now in use."""
     global _bf16_dot
     if on is None:
-        from pagedserve.model import cpu_gemm
+        from pagedserve.kernels.cpu import gemm as cpu_gemm
 
         on = cpu_gemm.bf16_dot()
     lib = _native.load()

@@ -1,5 +1,5 @@
 // The exact argmax of a float32 LM head from a cheap screen of it (gemm_cpu.cpp,
-// greedy_screen_argmax and greedy_screen_int8_argmax; model/greedy_head.py says why and when, and
+// greedy_screen_argmax and greedy_screen_int8_argmax; runner/greedy_head.py says why and when, and
 // derives the bounds).
 //
 // For one row h of the final hidden states: s[v] is the screen's logit of token v and

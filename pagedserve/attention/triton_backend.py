@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache with pagedserve's own Triton kernels (triton_kernels.py).
+"""Attention over the paged KV cache with pagedserve's own Triton kernels (kernels/triton/paged_attention.py).
 
 Same `forward` contract as the torch backend. The caches arrive as flat [num_slots, kvh, d] views
 of the [num_blocks, block_size, kvh, d] pools and are viewed back (no copy). The batch is the
@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from pagedserve.model.attention import triton_kernels as tk
-from pagedserve.model.attention.metadata import AttentionMetadata
+from pagedserve.kernels.triton import paged_attention as tk
+from pagedserve.attention.metadata import AttentionMetadata
 
 
 def paged_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model.attention.metadata import AttentionMetadata
+from pagedserve.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
@@ -24,7 +24,7 @@ class TorchAttentionBackend:
         """Whether the native CPU kernel (reads the pool in place) replaces the gathers."""
         key = (device.type, dtype)
         if key not in self._native:
-            from pagedserve.model.attention import cpu_kernels
+            from pagedserve.kernels.cpu import paged_attention as cpu_kernels
 
             self._native[key] = device.type == "cpu" and cpu_kernels.supports(dtype) and cpu_kernels.load() is not None
             if self._native[key]:
@@ -70,7 +70,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _paged(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        from pagedserve.model.attention.cpu_kernels import paged_attention
+        from pagedserve.kernels.cpu.paged_attention import paged_attention
 
         shape = (-1, meta.block_size) + tuple(k_cache.shape[1:])
         return paged_attention(q, k_cache.view(shape), v_cache.view(shape), meta.paged_block_tables,

@@ -10,7 +10,7 @@
 // bfloat16 tensors are computed in float32 and rounded to bfloat16 (nearest-even) wherever torch's
 // bfloat16 ops round: after each op of the reference (transformers) expression, not once at the
 // end, so the fused result is the one torch computes.
-// Plain C ABI, called through ctypes (see model/cpu_fused.py).
+// Plain C ABI, called through ctypes (see fused_ops.py).
 #include <omp.h>
 #include <stdint.h>
 

@@ -1,0 +1,1 @@
+"""Compute kernels, by device: cpu/ native C++ called through ctypes, triton/ Triton kernels for CUDA."""

@@ -1,0 +1,1 @@
+"""Triton kernels (CUDA; run under the Triton interpreter in CPU tests)."""
