@@ -92,3 +92,29 @@ def test_prefix_cache_hits_eviction_and_refcounts():
     sch.schedule()
     assert bm.num_free_blocks == 0
     assert all(key[1][0] >= 500 for key in bm.cached)  # the old prefix was evicted; only big's blocks remain
+
+
+def test_prefix_cache_counts_a_waiting_request_once():
+    """A request that waits for blocks looks the cache up every step; only the lookup of the step
+    that admits it counts, so the hit rate does not sink while requests queue."""
+    bm = BlockManager(4, 4, True)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=1000, enable_chunked_prefill=True)
+    a = _req(0, 13).seqs[0]  # all 4 blocks
+    sch.add(a)
+    _run_step(sch, sch.schedule())
+    b = _req(1, 9).seqs[0]  # shares a's first blocks
+    c = _req(2, 9).seqs[0]
+    c.token_ids = list(range(600, 609))  # matches nothing; needs 3 blocks
+    sch.add(c)
+    sch.add(b)
+    for _ in range(3):
+        _run_step(sch, sch.schedule())  # a decodes; c (no match) and b wait
+        assert sch.waiting[0] is c and bm.query_tokens == 13 and bm.hit_tokens == 0
+    sch.remove(a)
+    out = sch.schedule()
+    assert [e.seq for e in out.scheduled] == [c]
+    assert bm.query_tokens == 13 + 9 and bm.hit_tokens == 0
+    sch.remove(c)
+    out = sch.schedule()
+    assert [e.seq for e in out.scheduled] == [b]
+    assert bm.query_tokens == 13 + 9 + 9 and bm.hit_tokens == out.scheduled[0].start > 0  # what it reused

@@ -95,7 +95,6 @@ class BlockManager:
             return 0
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
-        self.query_tokens += seq.num_tokens
         parent = None
         matched: list[int] = []
         for i in range(max_blocks):
@@ -112,15 +111,18 @@ class BlockManager:
         seq.block_table = matched
         seq.num_hashed_blocks = len(matched)
         seq.last_block_key = parent
-        self.hit_tokens += len(matched) * bs
         return len(matched) * bs
+
+    def count_lookup(self, seq: Sequence, matched_tokens: int) -> None:
+        """Count one prefix-cache lookup, made by a request the scheduler admits. A request left
+        waiting looks up again next step; counting only admissions keeps those retries from
+        adding queries (and lowering the reported hit rate) under load."""
+        self.query_tokens += seq.num_tokens
+        self.hit_tokens += matched_tokens
 
     def undo_match(self, seq: Sequence) -> None:
         """Give back blocks attached by match_prefix when the request cannot be admitted now."""
-        n = len(seq.block_table) * self.block_size
         self.free_seq(seq)
-        self.hit_tokens -= n
-        self.query_tokens -= seq.num_tokens
         seq.num_hashed_blocks = 0
         seq.last_block_key = None
 

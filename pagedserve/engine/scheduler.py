@@ -138,6 +138,8 @@ class Scheduler:
             m = seq.request.metrics
             if m.num_cached_tokens is None:  # the first admission's prefix-cache hit (vLLM's cached tokens)
                 m.num_cached_tokens = seq.num_computed_tokens
+            if not wants_prompt_logprobs and bm.enable_prefix_caching:
+                bm.count_lookup(seq, seq.num_computed_tokens)
             bm.grow(seq, seq.num_computed_tokens + n)
             bm.commit_blocks(seq, seq.num_computed_tokens + n, seq.request.lora_key)
             seq.status = SequenceStatus.RUNNING
