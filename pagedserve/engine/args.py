@@ -12,7 +12,6 @@ silently ignored or reported as an unknown argument.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from pagedserve.config import EngineConfig
 
@@ -146,11 +145,6 @@ def _add_unsupported_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument(*flags, **kw)
 
 
-def unsupported_flags() -> list[str]:
-    """The vLLM flags registered as 'not supported yet' (for docs and tests)."""
-    return [f[0][0] for f in _UNSUPPORTED]
-
-
 # ------------------------------------------------------------------------------------------------
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build an EngineConfig from parsed engine flags; static checks run here (ConfigError)."""
@@ -198,8 +192,3 @@ def _speculative_config(args: argparse.Namespace):
         raise ConfigError("use either --speculative-config or --speculative-model/--num-speculative-tokens, not both")
     return given if given is not None else legacy
 
-
-def main_error(message: str) -> int:
-    """Print one clear error line (no traceback) and return the exit status to use."""
-    print(f"error: {message}", file=sys.stderr)
-    return 2

@@ -82,10 +82,10 @@ class BlockManager:
         seq.block_table = []
 
     # ---- prefix caching -------------------------------------------------------------------
-    def _key(self, parent_key, tokens: tuple, extra) -> tuple:
-        return (hash(parent_key), tokens, extra)
+    def _key(self, parent_key, tokens: tuple) -> tuple:
+        return (hash(parent_key), tokens)
 
-    def match_prefix(self, seq: Sequence, extra=None) -> int:
+    def match_prefix(self, seq: Sequence) -> int:
         """Attach the longest run of cached full blocks of seq's tokens; return tokens matched.
 
         The block holding the last token is never matched, so at least one token is computed
@@ -98,7 +98,7 @@ class BlockManager:
         parent = None
         matched: list[int] = []
         for i in range(max_blocks):
-            key = self._key(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), extra)
+            key = self._key(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             block = self.cached.get(key)
             if block is None:
                 break
@@ -126,7 +126,7 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.last_block_key = None
 
-    def commit_blocks(self, seq: Sequence, num_tokens: int, extra=None) -> None:
+    def commit_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register a hash for every full block among seq's first num_tokens tokens.
 
         Called when those tokens are scheduled, before they are computed: a request admitted later
@@ -139,7 +139,7 @@ class BlockManager:
         full = num_tokens // bs
         parent = seq.last_block_key
         for i in range(seq.num_hashed_blocks, full):
-            key = self._key(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]), extra)
+            key = self._key(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             block = seq.block_table[i]
             if key not in self.cached:
                 self.cached[key] = block

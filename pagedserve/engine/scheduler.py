@@ -9,7 +9,6 @@ Pure Python: no torch.
 """
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,10 +33,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -52,13 +47,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._admit_counter = itertools.count()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
         """Take a (finished or aborted) sequence out of the queues and free its blocks."""
@@ -113,7 +104,7 @@ class Scheduler:
             if seq is None:
                 break
             bm.grow(seq, target)
-            bm.commit_blocks(seq, target - drafts, seq.request.lora_key)  # drafts are never hashed
+            bm.commit_blocks(seq, target - drafts)  # drafts are never hashed
             out.scheduled.append(ScheduledSeq(seq, n + drafts, seq.num_computed_tokens, drafts))
             budget -= n + drafts
             still_running.append(seq)
@@ -126,7 +117,7 @@ class Scheduler:
             seq = self.waiting[0]
             wants_prompt_logprobs = seq.request.prompt_logprobs is not None
             if not wants_prompt_logprobs:  # cached tokens would have no prompt logprobs
-                seq.num_computed_tokens = bm.match_prefix(seq, seq.request.lora_key)
+                seq.num_computed_tokens = bm.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             if (n < remaining and not self.enable_chunked_prefill) or not bm.can_grow(seq, seq.num_computed_tokens + n):
@@ -141,9 +132,8 @@ class Scheduler:
             if not wants_prompt_logprobs and bm.enable_prefix_caching:
                 bm.count_lookup(seq, seq.num_computed_tokens)
             bm.grow(seq, seq.num_computed_tokens + n)
-            bm.commit_blocks(seq, seq.num_computed_tokens + n, seq.request.lora_key)
+            bm.commit_blocks(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
-            seq.admit_order = next(self._admit_counter)
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n

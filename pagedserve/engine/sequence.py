@@ -39,7 +39,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "index", "token_ids", "prompt_len", "status", "num_computed_tokens",
         "block_table", "num_hashed_blocks", "last_block_key", "generator", "logprobs",
-        "cumulative_logprob", "finish_reason", "stop_reason", "detok", "admit_order", "spec_token_ids", "spec",
+        "cumulative_logprob", "finish_reason", "stop_reason", "detok", "spec_token_ids", "spec",
         "matcher",
     )
 
@@ -60,7 +60,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer
-        self.admit_order = 0
         self.matcher = None  # llguidance.LLMatcher when the request has structured outputs
         self.spec_token_ids: list[int] = []  # draft tokens to verify after the next token (spec/)
         self.spec = None  # the speculative decoder's per-sequence state (spec/decoder.py)
@@ -105,7 +104,6 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = None  # filled while the prompt is computed, if asked
-    lora_key: object = None  # extra key for prefix-cache hashes (adapter id later)
     stop_token_ids: frozenset = frozenset()  # params.stop_token_ids plus EOS unless ignore_eos
 
     def __post_init__(self):
