@@ -66,6 +66,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from pagedserve.config import set_openmp_wait_default
+
+    set_openmp_wait_default()  # before any command imports torch
     first = next((a for a in argv if not a.startswith("-")), None)
     known = {n for n, _ in _COMMANDS}
     parser = build_parser(only=first if first in known else None)

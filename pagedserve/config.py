@@ -122,6 +122,23 @@ class EngineConfig:
         return dataclasses.replace(self, **kw)
 
 
+def set_openmp_wait_default() -> None:
+    """How long idle OpenMP threads spin before they sleep, for a process that `pagedserve` starts.
+
+    Spinning without end (OMP_WAIT_POLICY=active) collapses when another process takes a core: W1
+    (64 requests, 2 cores, a busy loop on one) took 59.6 s vs 39.6 s passive. Sleeping at once
+    (passive) pays a futex wake-up under the hypervisor for each of the ~200 parallel regions of a
+    step: W1-64 alone took 21.8-23.5 s passive vs 16.5-17.0 s with a short spin. About 2000 spins
+    (~20 us) covers the gaps between ops within a step and still yields the core quickly.
+
+    libgomp reads this when torch loads it, so the command line calls this before importing
+    torch; a user's own setting of either variable wins. Importing pagedserve as a library leaves
+    the environment alone (a program embedding the engine sets GOMP_SPINCOUNT itself).
+    """
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = "2000"
+
+
 def default_num_threads() -> int:
     """Physical cores: hyper-threads share one core's FMA units and only add contention in GEMMs."""
     try:
