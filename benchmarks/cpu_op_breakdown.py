@@ -58,7 +58,7 @@ def main() -> None:
     from pagedserve.bench.workloads import bench_model_dir, make_workload
     from pagedserve.kernels.cpu import fused_ops as cpu_fused
     from pagedserve.model import llama
-    from pagedserve.attention import torch_backend
+    from pagedserve.attention import cpu_backend
 
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
@@ -85,10 +85,10 @@ def main() -> None:
 
     for name in ("rms_norm", "silu_mul", "rope_qkv", "argmax"):
         timed(cpu_fused, name, f"fused {name}", totals, calls)
-    timed(torch_backend.TorchAttentionBackend, "attend_cached", "attention kernel (paged, native)", totals, calls,
+    timed(cpu_backend.CpuPagedAttentionBackend, "attend_cached", "attention kernel (paged, native)", totals, calls,
           after=attention_call)
     timed(llama.Attention, "forward_fused", "attention layer (qkv + rope + kernel + o)", totals, calls)
-    timed(llama.MLP, "forward", "MLP (gate_up + silu_mul + down)", totals, calls, after=mlp_call)
+    timed(llama.MLP, "forward_fused", "MLP (gate_up + silu_mul + down)", totals, calls, after=mlp_call)
     timed(llama.LlamaForCausalLM, "forward", "model forward (all layers)", totals, calls)
     timed(llama.LlamaForCausalLM, "compute_logits", "LM head (logits)", totals, calls)
 

@@ -12,6 +12,48 @@ from dataclasses import dataclass, field
 from pagedserve.errors import ConfigError
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash-attn")
+_ALIASES = {"flash_attn": "flash-attn", "flash-attention": "flash-attn", "flashattn": "flash-attn", "flash": "flash-attn",
+            "native": "auto"}
+
+# Environment variables that override a default of EngineConfig (documented in docs/architecture.md).
+# They are read here and nowhere else: the rest of the engine reads the config.
+ENV_OVERRIDES = {
+    "cpu_kernels": "PAGEDSERVE_CPU_KERNELS",  # 0: no native CPU kernels (the torch path; CI runs it)
+    "attention_backend": "PAGEDSERVE_ATTENTION_BACKEND",  # auto | cpu | torch | triton | flash-attn
+    "cpu_gemm": "PAGEDSERVE_CPU_GEMM",  # auto | onednn | avx2
+    "pack_weights": "PAGEDSERVE_PACK_WEIGHTS",  # 0: plain torch linears on the CPU
+    "greedy_screen": "PAGEDSERVE_GREEDY_SCREEN",  # auto | int8 | bf16 | 0
+    "silu_epilogue": "PAGEDSERVE_SILU_EPILOGUE",  # 0: the MLP's SiLU as its own pass
+    "malloc_tuning": "PAGEDSERVE_MALLOC_TUNING",  # 0: leave glibc malloc's defaults
+    "populate_kv": "PAGEDSERVE_POPULATE_KV",  # 0: do not fault the KV pool's pages in ahead
+    "cuda_graphs": "PAGEDSERVE_CUDA_GRAPHS",  # 1: capture decode steps (experimental)
+}
+KERNEL_CACHE_ENV = "PAGEDSERVE_CACHE"  # where built native kernels are cached (default ~/.cache/pagedserve)
+
+
+def _env_default(name: str, default):
+    """The default of field `name`: its environment override if set, else `default`."""
+    raw = os.environ.get(ENV_OVERRIDES[name])
+    if raw is None or raw.strip() == "":
+        return default
+    raw = raw.strip()
+    if isinstance(default, bool):
+        return raw.lower() not in ("0", "false", "no", "off")
+    return raw.lower()
+
+
+def _env(name: str, default):
+    return field(default_factory=lambda: _env_default(name, default))
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An override for code that runs without an EngineConfig (the kernel libraries themselves)."""
+    return _env_default(name, default)
+
+
+def kernel_cache_dir() -> str:
+    return os.environ.get(KERNEL_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
 
 
 @dataclass
@@ -43,6 +85,16 @@ class EngineConfig:
     # validate_static turns it into a SpeculativeConfig
     speculative_config: object = None
     quantization: str | None = None  # see pagedserve.quant: None = as the checkpoint is; "none" = dequantized
+    # device path (CPU kernels, attention backend, packing); defaults from ENV_OVERRIDES
+    cpu_kernels: bool = _env("cpu_kernels", True)
+    attention_backend: str = _env("attention_backend", "auto")
+    cpu_gemm: str = _env("cpu_gemm", "auto")
+    pack_weights: bool = _env("pack_weights", True)
+    greedy_screen: str = _env("greedy_screen", "auto")
+    silu_epilogue: bool = _env("silu_epilogue", True)
+    malloc_tuning: bool = _env("malloc_tuning", True)
+    populate_kv: bool = _env("populate_kv", True)
+    cuda_graphs: bool = _env("cuda_graphs", False)
     # resolved at load time (not user knobs)
     extra: dict = field(default_factory=dict)
 
@@ -83,6 +135,13 @@ class EngineConfig:
         from pagedserve.quant import validate_flag
 
         validate_flag(self.quantization)
+        self.attention_backend = _ALIASES.get(self.attention_backend, self.attention_backend)
+        self.cpu_gemm = _ALIASES.get(self.cpu_gemm, self.cpu_gemm)
+        for name, choices in (("attention_backend", ATTENTION_BACKENDS), ("cpu_gemm", ("auto", "onednn", "avx2")),
+                              ("greedy_screen", ("auto", "int8", "bf16", "0"))):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)} (env {ENV_OVERRIDES[name]})")
 
     def resolve(self, model_max_len: int, sliding_window: int | None = None) -> None:
         """Fill the defaults that depend on the model and check the combinations."""

@@ -298,3 +298,24 @@ def test_engine_bf16_on_each_gemm_tracks_transformers_bf16(llama_dir, monkeypatc
             ours = o.outputs[0].logprobs[step][tok].logprob
             assert ref[step, tok] >= ref[step].max() - 0.15, (step, tok)
             assert abs(ours - ref[step, tok].item()) < 0.15, (step, ours, ref[step, tok].item())
+
+
+def test_the_bfloat16_dot_tile_is_chosen_by_cpuid_not_by_timing():
+    """vdpbf16ps runs where CPUID says AVX512-BF16 on an AMD core (Zen 4 and later), the same way on
+    every start, however busy the host is; a forced choice goes back to that rule."""
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    want = _DOT and "AuthenticAMD" in info
+    assert cpu_gemm.bf16_dot() == (cpu_gemm.bf16_k_pairs() and want)
+    cpu_gemm.set_bf16_dot(not want)
+    assert cpu_gemm.set_bf16_dot(None) == (cpu_gemm.bf16_k_pairs() and want)
+
+
+def test_a_shape_the_library_refuses_is_a_python_error_not_an_abort():
+    lib = cpu_gemm._native.load()
+    # 15 output columns: not gate/up halves; the library returns before touching a pointer
+    status = lib.gemm_f32_silu_mul(None, 0, 1, 64, None, 15, None, 0, 1)
+    assert status < 0
+    with pytest.raises(RuntimeError, match="does not take K=64"):
+        cpu_gemm.check(status, "gemm_f32_silu_mul", 64)
+    assert lib.gemm_bf16kp_bf16out(None, 0, 1, 1 << 30, None, 16, None, None, 16, 1) < 0

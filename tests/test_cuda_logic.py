@@ -239,7 +239,7 @@ def test_modules_import_without_triton():
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
-# ---------------------------------------------------------------- the profile batch (engine._profile_cuda_kv_blocks)
+# ---------------------------------------------------------------- the profile batch (CudaModelRunner.num_kv_blocks)
 
 
 def test_profile_batch_lengths():
@@ -270,6 +270,6 @@ def test_dummy_forward_runs_on_cpu(llama_dir):
     assert blocks == sum(-(-n // 16) for n in lengths)
     assert [e.seq.block_table for e in entries][:2] == [[0, 1, 2], [3, 4, 5]]
     kv = KVCache(eng.spec, blocks, 16, eng.dtype, eng.device)
-    runner = ModelRunner(eng.runner.model, kv, 16, eng.device)
+    runner = ModelRunner(eng.runner.model, eng.config, eng.device, kv)
     mp.run_dummy_forward(runner, entries, 4)
     assert kv.blocks[0][0].abs().sum() > 0  # K/V were written

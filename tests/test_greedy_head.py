@@ -97,7 +97,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def test_engine_greedy_identical_with_screen(llama_dir, kind, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_GREEDY_SCREEN", kind)
     llm = LLM(model=str(llama_dir), num_gpu_blocks_override=256)
-    head = llm.llm_engine.runner.model.greedy_head
+    head = llm.llm_engine.runner.greedy_head
     assert head.kind == kind
     prompts = random_prompts(12, llm.llm_engine.spec.vocab_size, [1, 5, 17, 33, 64, 100, 9, 130, 2, 48, 77, 20])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=10, **GREEDY))
@@ -114,7 +114,7 @@ def test_engine_greedy_identical_with_screen(llama_dir, kind, monkeypatch):
 def test_screen_off_and_bad_setting(llama_dir, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_GREEDY_SCREEN", "0")
     llm = LLM(model=str(llama_dir), num_gpu_blocks_override=64)
-    assert not hasattr(llm.llm_engine.runner.model, "greedy_head")
+    assert llm.llm_engine.runner.greedy_head is None
     monkeypatch.setenv("PAGEDSERVE_GREEDY_SCREEN", "yes")
     with pytest.raises(ValueError, match="PAGEDSERVE_GREEDY_SCREEN"):
         LLM(model=str(llama_dir), num_gpu_blocks_override=64)
@@ -207,7 +207,7 @@ def test_engine_bfloat16_greedy_same_with_and_without_screen(llama_dir, monkeypa
         llm = LLM(model=str(llama_dir), dtype="bfloat16", num_gpu_blocks_override=256)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         runs[mode] = [o.outputs[0].token_ids for o in outs]
-        head = getattr(llm.llm_engine.runner.model, "greedy_head", None)
+        head = llm.llm_engine.runner.greedy_head
         assert (head is not None and head.rows == 120) == (mode == "int8")
     assert runs["int8"] == runs["0"]
 

@@ -8,6 +8,7 @@ import torch
 
 from hf_reference import hf_greedy, random_prompts
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import EngineConfig
 from pagedserve.errors import ConfigError
 from pagedserve.attention import select_backend
 from pagedserve.kernels.triton import paged_attention as tk
@@ -67,26 +68,29 @@ def test_engine_triton_backend_matches_hf_and_torch(llama_dir, triton_env, monke
 
     monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
     ref = LLM(**kw)
-    assert ref.llm_engine.runner.backend.name.startswith("torch-sdpa")  # (+ the native CPU kernel where built)
+    assert ref.llm_engine.runner.backend.name == "torch-sdpa"
     assert _generate(ref, prompts) == got
 
 
-def test_select_backend_env(monkeypatch):
-    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
-    assert select_backend("cpu").name == "torch-sdpa"
-    assert not getattr(select_backend("cpu"), "needs_block_tables", False)
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "nonsense")
-    with pytest.raises(ConfigError, match="torch, triton, flash-attn"):
-        select_backend("cpu")
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "flash-attn")
+def test_select_backend_choice(monkeypatch):
+    assert select_backend("cpu", 16, choice="torch").name == "torch-sdpa"
+    assert not getattr(select_backend("cpu", 16, choice="torch"), "needs_block_tables", False)
+    assert select_backend("cpu", 16, torch.float16).name == "torch-sdpa"  # no native kernel for float16
+    assert select_backend("cpu", 16, cpu_kernels=False).name == "torch-sdpa"
+    with pytest.raises(ConfigError, match="kernels are off"):
+        select_backend("cpu", 16, choice="cpu", cpu_kernels=False)
     with pytest.raises(ConfigError, match="flash-attn is not available"):
-        select_backend("cpu", 16)
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
+        select_backend("cpu", 16, choice="flash-attn")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="CUDA device"):
-        select_backend("cpu", 16)
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")
-    assert select_backend(torch.device("cpu")).name == "torch-sdpa"
+        select_backend("cpu", 16, choice="triton")
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "nonsense")
+    with pytest.raises(ConfigError, match="auto, cpu, torch, triton, flash-attn"):
+        EngineConfig().validate_static()
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "flash_attn")
+    cfg = EngineConfig()
+    cfg.validate_static()
+    assert cfg.attention_backend == "flash-attn"
 
 
 class _FakeGraph:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.triton import paged_attention as tk
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.metadata import AttentionMetadata, FlatBatch, kernel_metadata
 from pagedserve.attention.triton_backend import paged_view
 
 
@@ -60,6 +60,9 @@ class FlashAttnBackend:
         self.name = f"flash-attn ({'vllm_flash_attn' if self.flavour == 'vllm' else 'flash_attn'}, unverified)"
         self.block_size = block_size
         self._triton_store = tk.triton_available()
+
+    def build_metadata(self, batch: FlatBatch) -> AttentionMetadata:
+        return kernel_metadata(batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

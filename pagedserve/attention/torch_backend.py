@@ -1,43 +1,39 @@
-"""Attention over the paged KV cache on the CPU (and the portable fallback anywhere).
+"""Portable attention over the paged KV cache with torch's SDPA: runs on any device.
 
-With the native CPU kernel, the whole batch (decodes, fresh prompts, prompt chunks with earlier
-context from chunked prefill or prefix-cache hits) attends straight from the block pool in one
-call. Without the kernel (no compiler, other devices), decodes gather their contexts by slot
-index into one padded tensor for a single SDPA call, a prompt's first chunk uses SDPA over its
-own fresh K/V with a causal mask, and later chunks gather their context one sequence at a time.
+Decodes gather their contexts by slot index into one padded tensor for a single SDPA call, a
+prompt's first chunk uses SDPA over its own fresh K/V with a causal mask, and later chunks gather
+their context one sequence at a time. The CPU uses it when the native paged kernel is off or
+cannot be built (attention/cpu_backend.py is the fast path there).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.metadata import AttentionMetadata, FlatBatch, prefill_spans
 
 
 class TorchAttentionBackend:
     name = "torch-sdpa"
 
-    def __init__(self):
-        self._native: dict = {}
-
-    def native_decode(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether the native CPU kernel (reads the pool in place) replaces the gathers."""
-        key = (device.type, dtype)
-        if key not in self._native:
-            from pagedserve.kernels.cpu import paged_attention as cpu_kernels
-
-            self._native[key] = device.type == "cpu" and cpu_kernels.supports(dtype) and cpu_kernels.load() is not None
-            if self._native[key]:
-                self.name = "torch-sdpa + native CPU paged attention"
-        return self._native[key]
+    def build_metadata(self, batch: FlatBatch) -> AttentionMetadata:
+        nd, bs = batch.num_decodes, batch.block_size
+        decode_slots = decode_mask = None
+        if nd:
+            d_lens = batch.seq_lens[:nd]
+            pos = np.arange(int(d_lens.max()))
+            decode_slots = batch.tensor(batch.block_tables[:nd, pos // bs] * bs + pos % bs)
+            decode_mask = batch.tensor(pos[None, :] < d_lens[:, None])[:, None, None, :]
+        return AttentionMetadata(slot_mapping=batch.tensor(batch.slots), num_decode_tokens=nd,
+                                 decode_slots=decode_slots, decode_mask=decode_mask,
+                                 prefills=prefill_spans(batch, with_context_slots=True), block_size=bs)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, h, d]; k, v: [T, kvh, d]; caches: [num_slots, kvh, d] (flat view of the blocks)."""
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        if meta.num_paged_tokens:  # the native kernel takes the whole batch
-            return self._paged(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -61,17 +57,3 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[p.q_start:p.q_end] = o.transpose(0, 1)
         return out
-
-    def attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
-        """forward() for a native-kernel batch (meta.num_paged_tokens set) whose new K/V are
-        already in the cache."""
-        return self._paged(q, k_cache, v_cache, meta, scale)
-
-    @staticmethod
-    def _paged(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        from pagedserve.kernels.cpu.paged_attention import paged_attention
-
-        shape = (-1, meta.block_size) + tuple(k_cache.shape[1:])
-        return paged_attention(q, k_cache.view(shape), v_cache.view(shape), meta.paged_block_tables,
-                               meta.paged_seq_lens, meta.paged_query_starts, scale)

@@ -5,8 +5,8 @@ of the [num_blocks, block_size, kvh, d] pools and are viewed back (no copy). The
 model runner's flat one: the first `meta.num_decode_tokens` rows are one-token decodes, attended
 by the split-K decode kernel; the rest are prefill chunks (chunked prefill included), attended by
 the prefill kernel, which reads every key, the new ones too, from the cache — so K/V are stored
-first. Needs the kernel-style metadata (block_tables, seq_lens, query_start_loc, block_size),
-which the runner fills because `needs_block_tables` is True.
+first. Builds the kernel-style metadata (block_tables, seq_lens, query_start_loc, block_size);
+`needs_block_tables` marks it graph-safe (CUDA graphs replay block-table metadata).
 
 Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1; slow, used by tests).
 The interpreter runs every tile element by element in Python, so there the tiles shrink to 16
@@ -19,7 +19,7 @@ import os
 import torch
 
 from pagedserve.kernels.triton import paged_attention as tk
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.metadata import AttentionMetadata, FlatBatch, kernel_metadata
 
 
 def paged_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -40,6 +40,9 @@ class TritonAttentionBackend:
         self.block_m = 16 if interp else 64  # (token, query head) rows per prefill program
         self.block_n = 16 if interp else 64  # keys per inner-loop tile
         self.num_splits = 2 if interp else None  # decode split-K; None: from the shapes (choose_num_splits)
+
+    def build_metadata(self, batch: FlatBatch) -> AttentionMetadata:
+        return kernel_metadata(batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -145,7 +145,7 @@ def run(args) -> int:
         result["ratio_output_tokens_per_s"] = result["pagedserve"]["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"]
     if args.profile:
         result["profile"] = ours[-1]["profile"]
-    screen = getattr(llm.llm_engine.runner.model, "greedy_head", None)
+    screen = llm.llm_engine.runner.greedy_head
     if screen is not None and screen.rows:
         result["pagedserve"]["greedy_screen"] = {
             "kind": screen.kind, "rows": screen.rows, "exact_logits_per_row": screen.computed / screen.rows,

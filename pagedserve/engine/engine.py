@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
-from pagedserve.config import EngineConfig, default_num_threads
+from pagedserve.config import EngineConfig
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.profiler import NULL_PHASE, StepProfiler
@@ -16,7 +15,7 @@ from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.sequence import Request, Sequence, SequenceStatus
 from pagedserve.engine.stats import EngineStats
 from pagedserve.errors import InvalidRequestError
-from pagedserve.runner.kv_cache import GiB, KVCache, bytes_per_block, check_fits, num_blocks_for_budget
+from pagedserve.runner.kv_cache import GiB, bytes_per_block, check_fits
 from pagedserve.runner.model_runner import ModelRunner
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.validation import RequestValidator
@@ -30,34 +29,13 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def prepare_cpu_model(model, device: torch.device, max_num_seqs: int) -> None:
-    """Prepack a loaded model's linears for this CPU and attach the screened greedy head."""
-    if device.type != "cpu" or os.environ.get("PAGEDSERVE_PACK_WEIGHTS", "1") == "0":
-        return
-    from pagedserve.runner.cpu_packing import pack_linears
-
-    n, path = pack_linears(model, batch_hint=min(max_num_seqs, 256))
-    log.info("prepacked %d linear layers for %s", n, path)
-    from pagedserve.runner import greedy_head
-
-    screen = greedy_head.attach(model)
-    if screen:
-        log.info("%s", screen)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate_static()
         self.config = config
         self.device = _resolve_device(config.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or default_num_threads())
-            # dequantized / small-magnitude weights produce denormals that slow x86 FP units many-fold
-            torch.set_flush_denormal(True)
-            # compile any native kernel not cached yet while the tokenizer and weights load
-            from pagedserve.kernels.cpu.build import build_all_in_background
-
-            build_all_in_background()
+        runner_cls = ModelRunner.for_device(self.device)  # the one place the device path is decided
+        runner_cls.prepare_process(config)
         torch.manual_seed(config.seed)
         if config.model is None:
             from pagedserve.default_model import default_model_path
@@ -71,26 +49,21 @@ class LLMEngine:
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         config.resolve(model_max_len=self.spec.max_position_embeddings, sliding_window=self.spec.sliding_window)
-        self.dtype = next(loaded.model.parameters()).dtype
         self.quantization = loaded.quantization
         self.weight_bytes = self._log_weights(loaded)  # before prepacking, which keeps weights outside parameters
-        prepare_cpu_model(loaded.model, self.device, config.max_num_seqs)
+        self.runner = runner_cls(loaded.model, config, self.device)
+        self.dtype = self.runner.dtype
         if config.served_model_name is None:
             config.served_model_name = config.model
         self.validator = RequestValidator.for_engine(config, self.spec.vocab_size, self.tokenizer,
                                                      loaded.generation_eos_ids)
-        num_blocks = self._num_kv_blocks(loaded.model)
+        num_blocks = self.runner.num_kv_blocks()
         check_fits(config, num_blocks)
-        self.kv_cache = KVCache(self.spec, num_blocks, config.block_size, self.dtype, self.device)
-        if self.device.type == "cpu":
-            from pagedserve.runner.cpu_malloc import keep_freed_memory
-
-            log.info("malloc: %s", keep_freed_memory())  # after the KV pool: see runner/cpu_malloc.py
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache = self.runner.kv
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
-        self._setup_cuda_graphs()
         self.spec_decoder = None  # speculative decoding (spec/decoder.py), when configured
         if config.speculative_config is not None:
             from pagedserve.spec.decoder import build_decoder
@@ -123,65 +96,6 @@ class LLMEngine:
             log.info("weights: %.1f MB, of which %.1f MB in %d %s-quantized modules", total / 1e6,
                      quantized / 1e6, layers, loaded.quantization.name)
         return total
-
-    def _num_kv_blocks(self, model) -> int:
-        """KV-cache blocks: --num-gpu-blocks-override; on the CPU --kv-cache-space GiB; on CUDA a
-        measured profile (see _profile_cuda_kv_blocks)."""
-        cfg = self.config
-        if cfg.num_gpu_blocks_override is not None or self.device.type != "cuda":
-            return num_blocks_for_budget(cfg, self.spec, self.dtype, int(cfg.kv_cache_space * GiB))
-        return self._profile_cuda_kv_blocks(model)
-
-    def _profile_cuda_kv_blocks(self, model) -> int:
-        """Run the largest step the scheduler can produce (max_num_batched_tokens dummy prompt tokens,
-        through the real attention backend, with a temporary KV cache just big enough for it) and
-        measure its activation peak; `plan_kv_cache` turns weights + peak + non-torch memory into a
-        block count, or a ConfigError naming the flag to change. The arithmetic is unit-tested in
-        tests/test_cuda_logic.py; only the measurements here touch the device."""
-        from pagedserve.runner import memory_profile as mp
-
-        cfg, spec = self.config, self.spec
-        lengths = mp.profile_batch_lengths(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs)
-        entries, blocks = mp.dummy_entries(lengths, cfg.block_size)
-        tmp_kv = KVCache(spec, blocks, cfg.block_size, self.dtype, self.device)
-        runner = ModelRunner(model, tmp_kv, cfg.block_size, self.device)
-        peak = mp.profile_peak_memory(lambda: mp.run_dummy_forward(runner, entries, cfg.max_num_seqs), self.device)
-        del runner, tmp_kv
-        torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(self.device)
-        plan = mp.plan_kv_cache(
-            total_memory=total,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            weights_bytes=torch.cuda.memory_allocated(self.device),  # weights, rope tables, other resident tensors
-            peak_activation_bytes=peak,
-            non_torch_bytes=mp.non_torch_memory_bytes(self.device),
-            kv_bytes_per_block=bytes_per_block(spec, cfg.block_size, self.dtype),
-            block_size=cfg.block_size,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-        )
-        log.info("%s (profiled with %d dummy tokens in %d sequences)", plan.summary, sum(lengths), len(lengths))
-        return plan.num_blocks
-
-    def _setup_cuda_graphs(self) -> None:
-        """CUDA graphs for pure-decode steps: opt-in (PAGEDSERVE_CUDA_GRAPHS=1) until they have run on a GPU."""
-        import os
-
-        if self.device.type != "cuda":
-            return
-        backend = self.runner.backend
-        if self.config.enforce_eager:
-            log.info("CUDA graphs: off (--enforce-eager)")
-        elif os.environ.get("PAGEDSERVE_CUDA_GRAPHS", "0") != "1":
-            log.info("CUDA graphs: off (experimental, not yet validated on a GPU; opt in with PAGEDSERVE_CUDA_GRAPHS=1)")
-        elif not getattr(backend, "needs_block_tables", False):
-            log.info("CUDA graphs: off (the %s attention backend is not graph-safe; use triton or flash-attn)",
-                     backend.name)
-        else:
-            t0 = time.time()
-            self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.config.max_model_len, capture=True)
-            log.info("CUDA graphs: captured decode batch sizes %s in %.1fs (PAGEDSERVE_CUDA_GRAPHS=1, experimental)",
-                     self.runner.graphs.captured_sizes, time.time() - t0)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None,

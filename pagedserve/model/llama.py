@@ -3,9 +3,11 @@
 The model sees a flat batch of tokens with their positions and attention metadata; it knows
 nothing of requests. q/k/v and gate/up projections are fused into single GEMMs at load time.
 Numerics follow transformers: RMSNorm in float32, rotary tables in float32, logits in float32.
-A float32 or bfloat16 model on the CPU runs its element-wise steps as fused native ops (kernels/cpu/fused_ops.py):
-the residual stream is then carried as (residual, delta) so each residual add happens inside the
-next RMSNorm's pass, and rotary embedding writes K/V straight into the cache.
+When the CPU model runner turns on `fused_cpu_ops` (float32 or bfloat16 on the CPU, native kernels
+built), the element-wise steps run as fused native ops (kernels/cpu/fused_ops.py): the residual
+stream is then carried as (residual, delta) so each residual add happens inside the next RMSNorm's
+pass, and, with a backend whose `cache_written_by_rope` is set, rotary embedding writes K/V
+straight into the cache.
 """
 from __future__ import annotations
 
@@ -82,12 +84,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias, dtype=dtype)
 
     def forward(self, x):
-        if cpu_fused.usable(x):
-            if hasattr(self.gate_up_proj, "silu_mul"):  # silu(gate) · up straight from the GEMM's tiles
-                return self.down_proj(self.gate_up_proj.silu_mul(x))
-            return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x):
+        if hasattr(self.gate_up_proj, "silu_mul"):  # a packed layer that stores silu(gate) · up from its tiles
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
+        return self.down_proj(cpu_fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -108,7 +111,7 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm.fused(delta, residual) if delta is not None else self.input_layernorm.fused(residual)
         attn = self.self_attn.forward_fused if fused_attention else self.self_attn.forward
         a = attn(x, positions, rope, meta, kv_cache, backend)
-        return self.mlp(self.post_attention_layernorm.fused(a, residual))
+        return self.mlp.forward_fused(self.post_attention_layernorm.fused(a, residual))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,13 +124,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
         self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+        self.fused_cpu_ops = False  # set by the CPU model runner (runner/cpu_runner.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        if cpu_fused.usable(h):
-            fused_attention = (meta.num_paged_tokens > 0 and hasattr(backend, "attend_cached")
-                               and self.rope.cos.device.type == "cpu")
+        if self.fused_cpu_ops:
+            fused_attention = getattr(backend, "cache_written_by_rope", False)
             delta = None
             for layer, cache in zip(self.layers, kv_caches):
                 delta = layer.forward_fused(h, delta, positions, self.rope, meta, cache, backend, fused_attention)

@@ -42,8 +42,6 @@ _applied: str | None = None
 
 
 def _reason_to_leave_alone() -> str | None:
-    if os.environ.get("PAGEDSERVE_MALLOC_TUNING", "1") == "0":
-        return "PAGEDSERVE_MALLOC_TUNING=0"
     preload = os.environ.get("LD_PRELOAD", "")
     for name in _OTHER_ALLOCATORS:
         if name in preload:

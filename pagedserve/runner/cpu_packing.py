@@ -12,12 +12,12 @@ prepacked paths replace it, the first that works on this machine:
      the matrix units (native GEMM: vector FMAs only) and prepacking still beats torch's `linear`
      (small-model shapes, 2 threads: 1.3-2.5x at 8-32 rows, ~1.25x at 256).
 Where both are missing or refuse a dtype/CPU the layer simply stays a plain nn.Linear.
-PAGEDSERVE_CPU_GEMM=onednn skips the first.
+EngineConfig.cpu_gemm (PAGEDSERVE_CPU_GEMM) = onednn skips the first; avx2 keeps the native GEMM
+on its AVX2 tile on an AVX-512 CPU (A/B runs).
 """
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -53,12 +53,12 @@ def _pack_onednn(linear: nn.Linear, batch_hint: int) -> PackedLinear | None:
         return None
 
 
-def _native_linear(layer: nn.Linear) -> nn.Module:
+def _native_linear(layer: nn.Linear, silu_epilogue: bool) -> nn.Module:
     """A layer marked `gate_up_halves` (the MLP's fused [gate | up] projection) gets the GEMM whose
     tiles store silu(gate) · up where its shape allows; every other layer a plain NativeLinear."""
     from pagedserve.kernels.cpu import gemm as cpu_gemm
 
-    if getattr(layer, "gate_up_halves", False) and os.environ.get("PAGEDSERVE_SILU_EPILOGUE", "1") != "0":
+    if getattr(layer, "gate_up_halves", False) and silu_epilogue:
         try:
             return cpu_gemm.NativeGateUp(layer)
         except ValueError:
@@ -74,23 +74,26 @@ def _onednn_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if cpu_gemm.amx() else (torch.float32,)
 
 
-def _packers(batch_hint: int):
+def _packers(batch_hint: int, native: bool, cpu_gemm_choice: str, silu_epilogue: bool):
     """[(name, function nn.Linear → packed module or None, weight dtypes it takes)], best path first."""
     from pagedserve.kernels.cpu import gemm as cpu_gemm
 
     packers = []
-    if os.environ.get("PAGEDSERVE_CPU_GEMM", "native") != "onednn" and cpu_gemm.usable():
-        packers.append(("native GEMM", _native_linear, cpu_gemm.fast_dtypes()))
+    if native and cpu_gemm_choice != "onednn" and cpu_gemm.usable():
+        cpu_gemm.set_avx512(cpu_gemm_choice != "avx2")
+        packers.append(("native GEMM", lambda layer: _native_linear(layer, silu_epilogue), cpu_gemm.fast_dtypes()))
     onednn_dtypes = _onednn_dtypes()
     if onednn_dtypes:
         packers.append(("oneDNN", lambda layer: _pack_onednn(layer, batch_hint), onednn_dtypes))
     return packers
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> tuple[int, str | None]:
+def pack_linears(model: nn.Module, batch_hint: int, native: bool = True, cpu_gemm: str = "auto",
+                 silu_epilogue: bool = True) -> tuple[int, str | None]:
     """Swap every nn.Linear of a CPU model for a prepacked one on the first path that takes its
-    dtype; returns (how many, which path(s)). A path that refuses a layer is not tried again."""
-    packers = _packers(batch_hint)
+    dtype; returns (how many, which path(s)). A path that refuses a layer is not tried again.
+    native=False (native kernels off) leaves only oneDNN."""
+    packers = _packers(batch_hint, native, cpu_gemm, silu_epilogue)
     if not packers:
         return 0, None
     refused: set[str] = set()

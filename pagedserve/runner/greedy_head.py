@@ -38,7 +38,7 @@ wins, as argmax over the head's own logits. The tiles keep tokens within a step 
 logit possible (2⁻⁷·‖h‖·max‖W[v]‖); before the exact checks that margin is cut to a step of the
 largest logit's own bounds (gemm_cpu.cpp, screen_finish). ~17 tokens per row pass; 13
 instead of 21 ms at 256 rows (the medium model's head: ~48, 28 instead of 41 ms). Rows with a NaN
-or an infinity fall back to the full float32 row. PAGEDSERVE_GREEDY_SCREEN: `auto`
+or an infinity fall back to the full float32 row. EngineConfig.greedy_screen (PAGEDSERVE_GREEDY_SCREEN): `auto`
 (default: int8 where the CPU has AVX512-VNNI, else bfloat16 where the vdpbf16ps tile runs, else
 off; bfloat16 heads: int8 only; a screen that leaves too many tokens per row gives way to the
 next, see `_review`), `int8` or `bf16` (that screen wherever it can run, kept whatever it costs:
@@ -47,7 +47,6 @@ for tests and A/B runs), `0` (off).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -70,13 +69,6 @@ def bound_coef(k: int) -> float:
     """The bfloat16 screen's factor c of |screen − float32 logit| ≤ c·‖h‖₂·‖W[v]‖₂ for K = k."""
     g = _gamma(k)
     return ((2 * _U + _U * _U) + 2 * g * (1 + _U) ** 2 + g) * 1.01
-
-
-def _mode() -> str:
-    mode = os.environ.get("PAGEDSERVE_GREEDY_SCREEN", "auto")
-    if mode not in MODES:
-        raise ValueError(f"PAGEDSERVE_GREEDY_SCREEN={mode!r}: use one of {', '.join(MODES)}")
-    return mode
 
 
 def _round_up(x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +178,7 @@ class ScreenedGreedyHead:
                 self.w_norms.data_ptr(), self.g, xb.data_ptr() if self.bf16_head else None,
                 xb.stride(0) if self.bf16_head else 0, self.w_rows.data_ptr() if self.bf16_head else None, self.rho,
                 out.data_ptr(), threads)
+            cpu_gemm.check(computed, "greedy_screen_int8_argmax", k)
         else:
             xs = x.to(torch.bfloat16)
             computed = lib.greedy_screen_argmax(
@@ -213,7 +206,7 @@ class ScreenedGreedyHead:
         owner, rest, self.next_kinds = self.owner, self.next_kinds, None
         if per_row <= self.head.packed.out_features / MAX_SHARE:
             return
-        del owner.greedy_head
+        owner.greedy_head = None
         for kind in rest:
             try:
                 nxt = ScreenedGreedyHead(self.head, kind)
@@ -238,11 +231,12 @@ def _auto_kinds(head: cpu_gemm.NativeLinear) -> list[str]:
     return kinds
 
 
-def attach(model) -> str | None:
-    """Gives `model` a `greedy_head` where this CPU and the LM head allow one; returns a line for
+def attach(owner, head, mode: str = "auto") -> str | None:
+    """Gives `owner` (the CPU model runner) a `greedy_head` screening `head` (the model's LM head)
+    where this CPU and the head allow one; returns a line for
     the load log, or None when the screen stays off."""
-    mode = _mode()
-    head = getattr(model, "lm_head", None)
+    if mode not in MODES:
+        raise ValueError(f"greedy_screen={mode!r}: use one of {', '.join(MODES)}")
     if mode == "0" or not isinstance(head, cpu_gemm.NativeLinear) or head.bias is not None:
         return None
     if head.packed.dtype not in (torch.float32, torch.bfloat16):
@@ -255,13 +249,13 @@ def attach(model) -> str | None:
             log.info("greedy LM-head screen %s off: %s", kind, e)
             continue
         if mode == "auto":
-            screen.owner, screen.next_kinds = model, kinds[i + 1:]
-        model.greedy_head = screen
+            screen.owner, screen.next_kinds = owner, kinds[i + 1:]
+        owner.greedy_head = screen
         break
     else:
         return None
-    mib = model.greedy_head.extra_bytes / 2**20
-    kind = model.greedy_head.kind
+    mib = owner.greedy_head.extra_bytes / 2**20
+    kind = owner.greedy_head.kind
     name = "an int8" if kind == "int8" else "a bfloat16"
     dtype = str(head.packed.dtype).replace("torch.", "")
     return f"greedy steps take the {dtype} LM head's argmax through {name} screen ({mib:.0f} MiB more)"

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -44,7 +43,9 @@ class KVCache:
     the form the attention backends index.
     """
 
-    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 populate: bool = True):
+        """populate (CPU): fault the pool's pages in on a background thread (runner/cpu_memory.py)."""
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self._populator = None
         if device.type == "cpu":
@@ -52,7 +53,7 @@ class KVCache:
 
             pairs = [(zeroed_cpu_tensor(shape, dtype), zeroed_cpu_tensor(shape, dtype)) for _ in range(spec.num_layers)]
             self.blocks = [(k, v) for (k, _), (v, _) in pairs]
-            if os.environ.get("PAGEDSERVE_POPULATE_KV", "1") != "0":
+            if populate:
                 self._populator = Populator([r for (_, rk), (_, rv) in pairs for r in (rk, rv)])
                 self._populator.start()
         else:

@@ -10,9 +10,10 @@ import torch
 
 from pagedserve.engine.profiler import NULL_PHASE
 from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pagedserve.attention import AttentionMetadata, select_backend
-from pagedserve.attention.metadata import PrefillSpan
-from pagedserve.runner.kv_cache import KVCache
+from pagedserve.attention import select_backend
+from pagedserve.attention.metadata import FlatBatch
+from pagedserve.config import EngineConfig
+from pagedserve.runner.kv_cache import GiB, KVCache, num_blocks_for_budget
 from pagedserve.runner.sampler import SampledToken, Sampler, SamplingBatch
 
 
@@ -27,24 +28,59 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: KVCache, block_size: int, device: torch.device):
+    """Device-neutral: batch construction, the forward, sampling. CpuModelRunner (runner/cpu_runner.py)
+    and CudaModelRunner (runner/cuda_runner.py) add what their device needs at start; `for_device`
+    picks one, once."""
+
+    greedy_head = None  # a screened LM head for argmax-only batches (CPU, runner/greedy_head.py)
+
+    @staticmethod
+    def for_device(device: torch.device) -> type["ModelRunner"]:
+        if device.type == "cpu":
+            from pagedserve.runner.cpu_runner import CpuModelRunner
+
+            return CpuModelRunner
+        if device.type == "cuda":
+            from pagedserve.runner.cuda_runner import CudaModelRunner
+
+            return CudaModelRunner
+        return ModelRunner
+
+    @staticmethod
+    def prepare_process(config: EngineConfig) -> None:
+        """Process-wide settings, before the weights load."""
+
+    def __init__(self, model, config: EngineConfig, device: torch.device, kv_cache: KVCache | None = None):
         self.model = model
-        self.kv = kv_cache
-        self.block_size = block_size
+        self.config = config
+        self.block_size = config.block_size
         self.device = device
-        self.backend = select_backend(device, block_size)
-        if hasattr(self.backend, "native_decode"):  # settle the CPU kernel now, so the load log names it
-            self.backend.native_decode(device, kv_cache.dtype)
+        self.dtype = next(model.parameters()).dtype
+        self.kv = kv_cache
+        self.backend = select_backend(device, self.block_size, self.dtype, config.attention_backend,
+                                      config.cpu_kernels)
         self.sampler = Sampler()
         self.vocab_size = model.spec.vocab_size
-        self.graphs = None  # DecodeGraphs when CUDA graphs are on (engine._setup_cuda_graphs)
+        self.graphs = None  # DecodeGraphs when CUDA graphs are on (CudaModelRunner)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Pure-decode steps replayed from graphs (CudaModelRunner turns this on; the glue is
+        device-neutral, so tests drive it on the CPU with capture=False)."""
         from pagedserve.runner.decode_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
         if capture:
             self.graphs.capture()
+
+    # ---- the KV cache -----------------------------------------------------------------------
+    def num_kv_blocks(self) -> int:
+        """KV-cache blocks: --num-gpu-blocks-override, else --kv-cache-space GiB."""
+        cfg = self.config
+        return num_blocks_for_budget(cfg, self.model.spec, self.dtype, int(cfg.kv_cache_space * GiB))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv = KVCache(self.model.spec, num_blocks, self.block_size, self.dtype, self.device,
+                          populate=self.config.populate_kv)
 
     # ---- batch construction -----------------------------------------------------------------
     def _prepare(self, entries: list[ScheduledSeq]):
@@ -69,51 +105,11 @@ class ModelRunner:
             bt = e.seq.block_table[:max_blocks]  # a draft model's shadow may hold blocks for later steps
             tables[i, :len(bt)] = bt
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-
         num_decodes = int(np.searchsorted(q_lens != 1, True))  # entries are sorted: decodes first
-        decode_slots = decode_mask = None
-        dev = self.device
-        kernel_meta = getattr(self.backend, "needs_block_tables", False)  # CUDA kernels: block tables, no gathers
-        native = not kernel_meta and self.backend.native_decode(self.device, self.kv.dtype)
-        # The native kernel attends the whole batch straight from the cache once its new K/V are
-        # written: decodes, chunks with earlier context and fresh prompts alike. For fresh prompts
-        # it beat torch's SDPA too (2 cores, 8 heads / 4 kv heads, d 64, per layer: 128 tokens
-        # 0.50 ms vs 0.60 flash and 1.00 math; 1024 tokens 15.3 ms vs 13.8 flash and 60.8 math,
-        # the path enable_gqa takes).
-        paged = {}
-        if native:
-            paged = dict(num_paged_tokens=total, paged_block_tables=torch.from_numpy(tables).to(dev),
-                         paged_seq_lens=torch.from_numpy(seq_lens).to(dev),
-                         paged_query_starts=torch.from_numpy(cu).to(dev))
-        elif num_decodes and not kernel_meta:
-            d_lens = seq_lens[:num_decodes]
-            pos = np.arange(int(d_lens.max()))
-            d_slots = tables[:num_decodes, pos // bs] * bs + pos % bs
-            decode_slots = torch.from_numpy(d_slots).to(dev)
-            decode_mask = torch.from_numpy(pos[None, :] < d_lens[:, None]).to(dev)[:, None, None, :]
-        prefills = []
-        for i in range(num_decodes, n_seqs) if not native else ():
-            ctx_slots = None
-            if starts[i] > 0 and not kernel_meta:
-                pos = np.arange(int(seq_lens[i]))
-                ctx_slots = torch.from_numpy(tables[i, pos // bs] * bs + pos % bs).to(dev)
-            prefills.append(PrefillSpan(int(cu[i]), int(cu[i + 1]), int(seq_lens[i]), ctx_slots))
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            num_decode_tokens=num_decodes,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-            prefills=prefills,
-            block_size=bs,
-            **paged,
-        )
-        if kernel_meta:
-            meta.block_tables, meta.seq_lens, meta.query_start_loc = (
-                torch.from_numpy(a.astype(np.int32)).to(dev) for a in (tables, seq_lens, cu))
-            meta.block_size = bs
-            meta.max_decode_seq_len = int(seq_lens[:num_decodes].max()) if num_decodes else None
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.from_numpy(positions).to(dev), meta, cu
+        batch = FlatBatch(bs, tables, starts, seq_lens, cu, slots, num_decodes, self.device)
+        meta = self.backend.build_metadata(batch)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return input_ids, torch.from_numpy(positions).to(self.device), meta, cu
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -144,12 +140,12 @@ class ModelRunner:
                                      for r in range(int(cu[i + 1]) - e.num_spec_tokens - 1, int(cu[i + 1]))],
                                     device=self.device)
                 verdicts = verify(self.model, self.sampler, hidden[rows], [e.seq for _, e in speculating],
-                                  self.vocab_size, self.device)
+                                  self.vocab_size, self.device, screen=self.greedy_head)
                 result.verified = [(e, v) for (_, e), v in zip(speculating, verdicts)]
         if sampling:
             with phase("sample"):
                 batch = SamplingBatch([e.seq for _, e in sampling], self.vocab_size, self.device)
-            screen = getattr(self.model, "greedy_head", None) if batch.argmax_only else None
+            screen = self.greedy_head if batch.argmax_only else None
             with phase("logits"):  # the LM head, only for the rows that sample
                 rows = torch.tensor([int(cu[i + 1]) - 1 for i, _ in sampling], device=self.device)
                 if screen is not None:  # the head's own argmax without computing every logit (runner/greedy_head.py)

@@ -14,8 +14,6 @@ from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagedserve.engine.sequence import Request
 from pagedserve.errors import ConfigError
-from pagedserve.runner.kv_cache import KVCache
-from pagedserve.runner.model_runner import ModelRunner
 from pagedserve.sampling_params import SamplingParams
 
 log = logging.getLogger("pagedserve")
@@ -23,7 +21,6 @@ log = logging.getLogger("pagedserve")
 
 def load_draft(cfg, engine):
     """Load the draft model and check that it can draft for the engine's target."""
-    from pagedserve.engine.engine import prepare_cpu_model
     from pagedserve.model.loader import load_model
 
     ecfg = engine.config
@@ -37,7 +34,6 @@ def load_draft(cfg, engine):
         raise ConfigError(f"{where} handles {loaded.spec.max_position_embeddings} positions, fewer than "
                           f"max_model_len={ecfg.max_model_len}; use --max-model-len "
                           f"{loaded.spec.max_position_embeddings} or a draft with a longer context")
-    prepare_cpu_model(loaded.model, engine.device, ecfg.max_num_seqs)
     return loaded
 
 
@@ -49,10 +45,11 @@ class DraftModelProposer:
         loaded = load_draft(cfg, engine)
         ecfg = engine.config
         num_blocks = engine.block_manager.num_blocks
-        dtype = next(loaded.model.parameters()).dtype
-        self.kv = KVCache(loaded.spec, num_blocks, ecfg.block_size, dtype, engine.device)
+        # a runner of the target's kind: the same device path (packing, screen, attention backend)
+        self.runner = type(engine.runner)(loaded.model, ecfg, engine.device)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = self.runner.kv
         self.bm = BlockManager(num_blocks, ecfg.block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(loaded.model, self.kv, ecfg.block_size, engine.device)
         self.token_budget = ecfg.max_num_batched_tokens
         self.shadows: dict[int, object] = {}  # target seq_id -> the draft's Sequence
         self.synced: dict[int, int] = {}  # target seq_id -> target tokens the shadow held at its last sync

@@ -78,9 +78,10 @@ class DraftPosition:
         self.seq.generator = g
 
 
-def verify(model, sampler, hidden: torch.Tensor, seqs: list, vocab_size: int, device) -> list[Verdict]:
+def verify(model, sampler, hidden: torch.Tensor, seqs: list, vocab_size: int, device, screen=None) -> list[Verdict]:
     """hidden: the target's hidden states at every position of every sequence's drafts, in order
-    (K_i + 1 rows for sequence i: its last token, then each draft). Returns one Verdict per sequence."""
+    (K_i + 1 rows for sequence i: its last token, then each draft). `screen`: the runner's greedy
+    LM-head screen, if any (argmax-only batches). Returns one Verdict per sequence."""
     views, drafts = [], []
     for s in seqs:
         d = s.spec_token_ids
@@ -92,7 +93,6 @@ def verify(model, sampler, hidden: torch.Tensor, seqs: list, vocab_size: int, de
     has_draft = draft_t >= 0
     raw_logprobs = None
     if batch.argmax_only:
-        screen = getattr(model, "greedy_head", None)
         chosen = screen.argmax(hidden) if screen is not None else _argmax(model.compute_logits(hidden, upcast=False))
         accept = chosen == draft_t
     else:

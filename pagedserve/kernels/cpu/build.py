@@ -22,6 +22,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+from pagedserve.config import env_flag, kernel_cache_dir
+
 log = logging.getLogger("pagedserve")
 
 # no -ffinite-math: the kernels rely on -inf and NaN where they say so
@@ -42,7 +44,7 @@ def cached_path(src: Path, flags: list[str], lib_name: str) -> Path:
     # the headers beside the source are part of it (the attention kernel is split into several)
     sources = b"".join(p.read_bytes() for p in [src, *sorted(src.parent.glob("*.h"))])
     key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
-    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels" / key / lib_name
+    return Path(kernel_cache_dir()) / "kernels" / key / lib_name
 
 
 def build(src: Path, flags: list[str], lib_name: str) -> Path:
@@ -65,7 +67,7 @@ def build(src: Path, flags: list[str], lib_name: str) -> Path:
 
 
 def _kernels_enabled() -> bool:
-    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
+    return env_flag("cpu_kernels", True)
 
 
 _LIBRARIES: list["NativeLibrary"] = []  # every library declared (one per module that declares it)

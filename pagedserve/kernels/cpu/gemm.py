@@ -6,20 +6,19 @@ and runs a register-tile kernel: 6×16 on AVX2 CPUs, 8×48 on AVX-512 ones
 prepacked weight on an AVX2 machine and about the same as it on an AVX-512 Xeon
 (benchmarks/cpu_gemm_ab.py). `usable()` is False where the library can't be built (no compiler,
 PAGEDSERVE_CPU_KERNELS=0) or the CPU lacks AVX2/FMA; the caller then keeps oneDNN or torch's
-linear. PAGEDSERVE_CPU_GEMM=avx2 keeps the AVX2 tile on an AVX-512 CPU (for A/B runs).
+linear. `set_avx512(False)` keeps the AVX2 tile on an AVX-512 CPU (for A/B runs).
 
 bfloat16 weights stay bfloat16 in their panels (half the bytes) and are widened to float32 inside
 the kernel; products and sums are float32 and the output is rounded to bfloat16 once. Where the
 CPU has no AMX this beats torch's bfloat16 linear: AVX2-only CPUs run that through an emulated
 path at a few GFLOP/s, 20× slower; AVX512-BF16 Xeons run oneDNN's vdpbf16ps GEMM at ~0.75× our
 widening AVX-512 tile (their vdpbf16ps issues at half the float32 FMA's rate). Where vdpbf16ps
-issues as often as an FMA (AMD Zen 4, found by a probe in the library) bfloat16 activations go
+issues as often as an FMA (AMD Zen 4 and later, told by CPUID in the library) bfloat16 activations go
 to a vdpbf16ps tile instead, 1.6-1.7× the widening one there (`bf16_dot()`).
 """
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -49,10 +48,10 @@ _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS + ["-ffp-cont
     "gemm_bf16kp_set_dot": (_N, [_N]),
     "gemm_bf16kp_dot": (_N, []),
     "gemm_bf16kp_bf16out_takes": (_N, [_I]),
-    "gemm_bf16kp_bf16out": (None, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _N]),
+    "gemm_bf16kp_bf16out": (_N, [_P, _I, _I, _I, _P, _I, _P, _P, _I, _N]),
     "gemm_silu_mul_takes": (_N, [_I, _I]),
-    "gemm_f32_silu_mul": (None, [_P, _I, _I, _I, _P, _I, _P, _I, _N]),
-    "gemm_bf16kp_silu_mul": (None, [_P, _I, _I, _I, _P, _I, _P, _I, _N]),
+    "gemm_f32_silu_mul": (_N, [_P, _I, _I, _I, _P, _I, _P, _I, _N]),
+    "gemm_bf16kp_silu_mul": (_N, [_P, _I, _I, _I, _P, _I, _P, _I, _N]),
     "greedy_screen_argmax": (_I, [_P, _I, _P, _I, _I, _I, _P, _P, _N, _I, _P, ctypes.c_double, _P, _N]),
     "greedy_screen_int8_takes": (_N, [_I]),
     "greedy_screen_int8_packed_size": (_I, [_I, _I]),
@@ -62,13 +61,17 @@ _native = native_build.NativeLibrary(_SRC, native_build.BASE_FLAGS + ["-ffp-cont
 }, "native CPU GEMM", "using oneDNN / torch linear")
 
 
+def check(status: int, fn: str, k: int) -> int:
+    """A native call's status as a Python exception: the library refuses a shape it cannot take
+    (returning a negative status, nothing computed) instead of aborting the process."""
+    if status < 0:
+        raise RuntimeError(f"native CPU GEMM: {fn} does not take K={k} (the caller should have checked)")
+    return status
+
+
 def usable() -> bool:
     lib = _native.load()
-    if lib is None or not lib.gemm_f32_supported():
-        return False
-    if os.environ.get("PAGEDSERVE_CPU_GEMM") == "avx2":  # the AVX2 tile even where AVX-512 is there (A/B runs)
-        lib.gemm_f32_set_avx512(0)
-    return True
+    return lib is not None and bool(lib.gemm_f32_supported())
 
 
 def vector_bits() -> int:
@@ -98,21 +101,21 @@ def amx() -> bool:
 
 def bf16_k_pairs() -> bool:
     """Whether bfloat16 weights run on the AVX-512 tile (packed in k pairs) rather than the AVX2
-    one (interleaved columns): where the CPU has AVX-512, unless PAGEDSERVE_CPU_GEMM=avx2."""
+    one (interleaved columns): where the CPU has AVX-512, unless set_avx512(False) chose the AVX2 tile."""
     lib = _native.load()
-    return lib is not None and bool(lib.gemm_bf16kp_supported()) and os.environ.get("PAGEDSERVE_CPU_GEMM") != "avx2"
+    return lib is not None and bool(lib.gemm_bf16kp_supported()) and lib.gemm_f32_vector_bits() == 512
 
 
 def bf16_dot() -> bool:
     """Whether bfloat16 GEMMs on k-pair panels with bfloat16 activations run the vdpbf16ps tile
-    (AVX512-BF16, where the library's probe finds it faster than widening: AMD Zen 4) rather
+    (AVX512-BF16 on AMD cores, Zen 4 and later, where it issues as often as an FMA) rather
     than widening the weights to float32 FMAs."""
     return bf16_k_pairs() and bool(_native.lib.gemm_bf16kp_dot())
 
 
 def set_bf16_dot(mode: bool | None) -> bool:
     """Forces the vdpbf16ps tile on (True, where the CPU has it) or off (False), or back to the
-    probe's choice (None); returns whether it is now in use. For A/B runs and tests."""
+    CPUID's choice (None); returns whether it is now in use. For A/B runs and tests."""
     return bool(_native.load().gemm_bf16kp_set_dot(-1 if mode is None else int(mode)))
 
 
@@ -174,8 +177,8 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     if packed.bf16_out and x2.dtype == torch.bfloat16 and not float32_out:
         # rounded to bfloat16 as each tile is stored: no float32 out to write and convert
         out = torch.empty((m, out_features), dtype=torch.bfloat16)
-        lib.gemm_bf16kp_bf16out(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
-                                out.data_ptr(), out_features, torch.get_num_threads())
+        check(lib.gemm_bf16kp_bf16out(x2.data_ptr(), x2.stride(0), m, k, packed.panels.data_ptr(), out_features, b,
+                                      out.data_ptr(), out_features, torch.get_num_threads()), "gemm_bf16kp_bf16out", k)
         return out.view(*x.shape[:-1], out_features)
     out = torch.empty((m, out_features), dtype=torch.float32)
     if bf16_w:
@@ -243,9 +246,9 @@ class NativeGateUp(nn.Module):
 
             return cpu_fused.silu_mul(self.forward(x2)).view(*x.shape[:-1], self.out_features // 2)
         out = torch.empty((x2.shape[0], self.out_features // 2), dtype=x2.dtype)
-        getattr(_native.lib, self._fn)(x2.data_ptr(), x2.stride(0), x2.shape[0], self.in_features,
-                                       self.packed.panels.data_ptr(), self.out_features, out.data_ptr(),
-                                       out.shape[1], torch.get_num_threads())
+        check(getattr(_native.lib, self._fn)(x2.data_ptr(), x2.stride(0), x2.shape[0], self.in_features,
+                                             self.packed.panels.data_ptr(), self.out_features, out.data_ptr(),
+                                             out.shape[1], torch.get_num_threads()), self._fn, self.in_features)
         return out.view(*x.shape[:-1], self.out_features // 2)
 
     def extra_repr(self) -> str:

@@ -663,33 +663,18 @@ void fma_chains_avx2(int64_t iters) {
 // Which tile float32 GEMMs run: AVX-512 where the CPU has it, unless gemm_f32_set_avx512(0).
 bool use_avx512 = avx512::supported();
 
-// Whether vdpbf16ps outruns float32 FMAs on this core by enough to pay for its tile: one thread
-// times the two register loops alternately, ~3 ms each, best of 3. The ratio is ~2 on AMD Zen 4
-// and ~0.5 on the AVX512-BF16 Xeons measured, so the 1.3 threshold is far from both.
-bool bf16_dot_is_faster() {
-  if (!avx512::dot_supported()) return false;
-  constexpr int64_t kIters = 100000;
-  double dot = 1e30, fma = 1e30;
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    double t0 = omp_get_wtime();
-    avx512::dot_chains(kIters);
-    double t1 = omp_get_wtime();
-    avx512::fma_chains(kIters);
-    double t2 = omp_get_wtime();
-    dot = std::min(dot, t1 - t0);
-    fma = std::min(fma, t2 - t1);
-  }
-  return fma / dot * 2 > 1.3;  // a dot does twice the FLOPs of an FMA
-}
+// Whether this CPU's vdpbf16ps outruns its float32 FMAs by enough to pay for the dot tile, read
+// from CPUID rather than timed, so that bfloat16 results never depend on how busy the host was at
+// start: AMD cores with AVX512-BF16 (Zen 4 and later) issue vdpbf16ps as often as an FMA (timed
+// ratio ~2 in FLOPs); the AVX512-BF16 Xeons measured issue it at half that rate (~0.5), and the
+// ones with AMX send bfloat16 layers to oneDNN anyway.
+bool bf16_dot_by_cpuid() { return avx512::dot_supported() && __builtin_cpu_is("amd"); }
 
 // Whether k-pair bfloat16 GEMMs with bfloat16 x run the vdpbf16ps tile: as gemm_bf16kp_set_dot
-// forced it (0 / 1), else as the probe found on the first call (run once).
-int forced_bf16_dot = -1, probed_bf16_dot = -1;
-bool bf16_dot() {
-  if (forced_bf16_dot >= 0) return forced_bf16_dot == 1;
-  if (probed_bf16_dot < 0) probed_bf16_dot = bf16_dot_is_faster() ? 1 : 0;
-  return probed_bf16_dot == 1;
-}
+// forced it (0 / 1), else by CPUID (above).
+int forced_bf16_dot = -1;
+const bool cpuid_bf16_dot = bf16_dot_by_cpuid();
+bool bf16_dot() { return forced_bf16_dot >= 0 ? forced_bf16_dot == 1 : cpuid_bf16_dot; }
 
 // k-pair bfloat16 GEMM with bfloat16 x, on the tile bf16_dot() picks; out float32 or bfloat16
 template <bool kSiluMul = false, typename OT>
@@ -956,10 +941,12 @@ int gemm_bf16kp_bf16out_takes(int64_t k) { return k <= bf16_tile_k_blocking().ma
 
 // gemm_bf16kp with x bfloat16 and out bfloat16, each float32 sum (+ bias) rounded once as it is
 // stored: no float32 out to write, read back and convert. k must fit one k block (above).
-void gemm_bf16kp_bf16out(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
-                         const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
-  if (!gemm_bf16kp_bf16out_takes(k)) std::abort();
+// Returns 0, or -1 (nothing computed) when k does not fit: the binding raises then.
+int gemm_bf16kp_bf16out(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
+                        const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
+  if (!gemm_bf16kp_bf16out_takes(k)) return -1;
   gemm_bf16kp_bf16x(x, ldx, m, k, w_packed, n, bias, out, ldo, nthreads);
+  return 0;
 }
 
 // 1 when the silu_mul GEMMs below take a gate/up projection of this shape (n = 2I with I a
@@ -968,25 +955,27 @@ int gemm_silu_mul_takes(int64_t n, int64_t k) { return n % 16 == 0 && k <= kMaxK
 
 // out[m, n / 2] (row stride ldo) = silu(gate) · up of x[m, k] · Wᵀ, W the gate/up projection
 // [n, k] packed by gemm_f32_pack with its rows in NativeGateUp's order (8 gate rows, the same 8 up
-// rows, ...). The shape must pass gemm_silu_mul_takes.
-void gemm_f32_silu_mul(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_packed, int64_t n,
-                       float* out, int64_t ldo, int nthreads) {
-  if (!gemm_silu_mul_takes(n, k)) std::abort();
+// rows, ...). Returns 0, or -1 (nothing computed) when the shape fails gemm_silu_mul_takes.
+int gemm_f32_silu_mul(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w_packed, int64_t n,
+                      float* out, int64_t ldo, int nthreads) {
+  if (!gemm_silu_mul_takes(n, k)) return -1;
   if (use_avx512)
     gemm<Avx512Tile, true>(x, ldx, m, k, w_packed, n, nullptr, out, ldo, nthreads);
   else
     gemm<Avx2Tile, true>(x, ldx, m, k, w_packed, n, nullptr, out, ldo, nthreads);
+  return 0;
 }
 
 // The same for bfloat16 x and out, W packed by gemm_bf16kp_pack.
-void gemm_bf16kp_silu_mul(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
-                          uint16_t* out, int64_t ldo, int nthreads) {
-  if (!gemm_silu_mul_takes(n, k)) std::abort();
+int gemm_bf16kp_silu_mul(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w_packed, int64_t n,
+                         uint16_t* out, int64_t ldo, int nthreads) {
+  if (!gemm_silu_mul_takes(n, k)) return -1;
   gemm_bf16kp_bf16x<true>(x, ldx, m, k, w_packed, n, nullptr, out, ldo, nthreads);
+  return 0;
 }
 
 // Which tile k-pair GEMMs with bfloat16 x run: 1 = vdpbf16ps (where the CPU has AVX512-BF16), 0 =
-// widening to float32 FMAs, -1 = whichever the probe finds faster (the default). Returns 1 when
+// widening to float32 FMAs, -1 = by CPUID (the default, bf16_dot_by_cpuid). Returns 1 when
 // the vdpbf16ps tile is now in use. For A/B runs and tests.
 int gemm_bf16kp_set_dot(int mode) {
   forced_bf16_dot = mode < 0 ? -1 : mode > 0 && avx512::dot_supported() ? 1 : 0;
@@ -1094,7 +1083,7 @@ int64_t greedy_screen_int8_argmax(const float* x, int64_t ldx, int64_t m, int64_
                                   const float* f, const float* wn, double g, const uint16_t* xb, int64_t ldxb,
                                   const uint16_t* w_pairs, double rho, int64_t* out, int nthreads) {
   if (m <= 0) return 0;
-  if (!greedy_screen_int8_takes(k)) std::abort();
+  if (!greedy_screen_int8_takes(k)) return -1;  // nothing computed: the binding raises
   nthreads = std::max(1, nthreads);
   thread_local std::vector<uint8_t> xq;
   xq.resize(m * k);

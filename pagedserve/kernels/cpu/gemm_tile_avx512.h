@@ -250,10 +250,6 @@ inline bool vnni_supported() { return __builtin_cpu_supports("avx512f") && __bui
       : "cc", "xmm0", "xmm1", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",  \
         "xmm13", "xmm14", "xmm15")
 
-__attribute__((target("avx512f,avx512bf16"))) inline void dot_chains(int64_t iters) {
-  PS_ZMM_CHAINS("vdpbf16ps", iters);
-}
-
 inline bool dot_supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
 
 inline void fma_chains(int64_t iters) { PS_ZMM_CHAINS("vfmadd231ps", iters); }

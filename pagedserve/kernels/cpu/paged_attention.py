@@ -93,7 +93,7 @@ def set_bf16_dot(on: bool | None) -> bool:
     """bfloat16 prompt chunks and shared-prefix passes of the tiled path, and the decode kernel's
     scores, on vdpbf16ps (True, where the CPU has AVX512-BF16) or on float32 FMAs (False); None
     restores the default, which follows
-    the GEMM library's probe (cpu_gemm.bf16_dot(): on where vdpbf16ps issues as often as an FMA,
+    the GEMM library's CPUID rule (cpu_gemm.bf16_dot(): on where vdpbf16ps issues as often as an FMA,
     AMD Zen 4). For A/B runs and tests. Returns whether the walk is now in use."""
     global _bf16_dot
     if on is None:
