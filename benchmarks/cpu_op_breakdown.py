@@ -45,7 +45,7 @@ def timed(owner, name: str, key: str, totals, calls, after=None):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small", help="a benchmark model of WORKLOADS.md (small | medium)")
+    p.add_argument("--model", default="small", help="a benchmark model of benchmarks/README.md (small | medium)")
     p.add_argument("--workload", default="W1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=None)

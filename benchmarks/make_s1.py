@@ -1,4 +1,4 @@
-"""Write the S1 request set of WORKLOADS.md as JSONL for `pagedserve bench serve --dataset FILE`.
+"""Write the S1 request set of benchmarks/README.md as JSONL for `pagedserve bench serve --dataset FILE`.
 
 256 requests; prompt lengths uniform in [16, 1024], output lengths uniform in [16, 256]; prompt
 token ids uniform in [3, 32000), all from numpy.random.default_rng(0). Prompts are token-id lists.

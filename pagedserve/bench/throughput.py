@@ -14,7 +14,7 @@ import time
 def add_arguments(p) -> None:
     from pagedserve.engine.args import add_engine_args
 
-    p.add_argument("--workload", default="W1", help="W1 | W2 | W3 (see WORKLOADS.md)")
+    p.add_argument("--workload", default="W1", help="W1 | W2 | W3 (see benchmarks/README.md)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests of the workload")
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="also run transformers generate (static batches, left padding) and print the ratio")

@@ -1,6 +1,6 @@
 """The standard offline workloads (W1, W2, W3) and benchmark models (small, medium).
 
-Definitions follow the project's WORKLOADS.md: prompt token ids drawn uniformly from [3, 32000)
+Definitions as described in benchmarks/README.md: prompt token ids drawn uniformly from [3, 32000)
 with numpy.random.default_rng(0), greedy, EOS ignored so every request produces its length.
 """
 from __future__ import annotations
