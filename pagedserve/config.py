@@ -29,7 +29,7 @@ ENV_OVERRIDES = {
     "populate_kv": "PAGEDSERVE_POPULATE_KV",  # 0: do not fault the KV pool's pages in ahead
     "cuda_graphs": "PAGEDSERVE_CUDA_GRAPHS",  # 1: capture decode steps (experimental)
 }
-KERNEL_CACHE_ENV = "PAGEDSERVE_CACHE"  # where built native kernels are cached (default ~/.cache/pagedserve)
+CACHE_ENV = "PAGEDSERVE_CACHE"  # built native kernels and benchmark models (default ~/.cache/pagedserve)
 
 
 def _env_default(name: str, default):
@@ -52,8 +52,8 @@ def env_flag(name: str, default: bool) -> bool:
     return _env_default(name, default)
 
 
-def kernel_cache_dir() -> str:
-    return os.environ.get(KERNEL_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
+def cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
 
 
 @dataclass

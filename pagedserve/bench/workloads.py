@@ -5,7 +5,6 @@ with numpy.random.default_rng(0), greedy, EOS ignored so every request produces 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +63,9 @@ MODEL_SHAPES = {
 
 def bench_model_dir(name: str) -> Path:
     """The folder of a standard benchmark model, built (random weights, seed 0) on first use."""
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "bench-models"
+    from pagedserve.config import cache_dir
+
+    root = Path(cache_dir()) / "bench-models"
     out = root / name
     if not (out / "model.safetensors").exists():
         build_bench_model(name, out)

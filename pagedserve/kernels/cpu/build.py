@@ -22,7 +22,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from pagedserve.config import env_flag, kernel_cache_dir
+from pagedserve.config import cache_dir, env_flag
 
 log = logging.getLogger("pagedserve")
 
@@ -44,7 +44,7 @@ def cached_path(src: Path, flags: list[str], lib_name: str) -> Path:
     # the headers beside the source are part of it (the attention kernel is split into several)
     sources = b"".join(p.read_bytes() for p in [src, *sorted(src.parent.glob("*.h"))])
     key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_id().encode()).hexdigest()[:16]
-    return Path(kernel_cache_dir()) / "kernels" / key / lib_name
+    return Path(cache_dir()) / "kernels" / key / lib_name
 
 
 def build(src: Path, flags: list[str], lib_name: str) -> Path:
