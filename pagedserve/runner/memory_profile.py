@@ -153,6 +153,7 @@ class _DummySeq:
 
 class _DummyEntry:
     __slots__ = ("seq", "start", "num_new_tokens")
+    num_spec_tokens = 0  # a profile batch verifies no drafts
 
     def __init__(self, seq, start, num_new_tokens):
         self.seq, self.start, self.num_new_tokens = seq, start, num_new_tokens
