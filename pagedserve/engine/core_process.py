@@ -64,8 +64,7 @@ def run_engine_core(config, in_addr: str, out_addr: str, num_clients: int, log_l
             logger.error("engine core failed to start:\n%s", traceback.format_exc())
         for c in clients:
             router.send_multipart([c, m.dumps((m.STARTUP_ERROR, msg, isinstance(e, ConfigError)))])
-        router.close()
-        ctx.term()
+        ctx.destroy(linger=2000)  # every socket (term() alone waits for ever on the open PULL)
         os._exit(2)
     eng = core.engine
     info = {"config": eng.config, "tokenizer": eng.tokenizer, "vocab_size": eng.spec.vocab_size,
