@@ -176,6 +176,10 @@ class RequestValidator:
             _bad("prompt must be a string or a list of token ids.", param)
         if not text and not allow_empty:
             _bad("The prompt must not be empty.", param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate from a JSON "\ud800" escape: no tokenizer takes it
+            _bad(f"The prompt is not valid Unicode text ({e.reason} at character {e.start}).", param)
         if self.max_prompt_chars and len(text) > self.max_prompt_chars:
             _bad(f"The prompt has {len(text)} characters; this model's maximum context length of "
                  f"{self.max_model_len} tokens cannot hold more than {self.max_prompt_chars} characters. "

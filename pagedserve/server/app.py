@@ -15,9 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
-import os
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -28,6 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedserve.engine.frontend import EngineFrontend
 from pagedserve.errors import InvalidRequestError
 from pagedserve.generation_defaults import generation_defaults
+from pagedserve.server.auth import APIKeyMiddleware, load_api_keys
+from pagedserve.server.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from pagedserve.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from pagedserve.server.metrics import ServerMetrics, StepCostModel
 from pagedserve.server.protocol import (
@@ -46,14 +46,10 @@ from pagedserve.server.serving_base import ServingContext, default_ping_seconds
 from pagedserve.server.serving_completions import OpenAIServingCompletion
 from pagedserve.server.serving_responses import OpenAIServingResponses
 from pagedserve.server.tgi.router import register_tgi
-from pagedserve.server.web import is_public_request, mount_web_ui
+from pagedserve.server.web import mount_web_ui
 from pagedserve.server.web.engine_config import engine_configuration
 
 logger = logging.getLogger("pagedserve.server")
-
-# Paths that stay reachable without the API key (load balancers and Prometheus scrape them).
-OPEN_PATHS = ("/health", "/metrics", "/version", "/ping", "/load")
-
 
 def _version() -> str:
     try:
@@ -86,32 +82,6 @@ def load_chat_template(value: str | None) -> str | None:
     if "\\n" in value and "\n" not in value:  # a one-line template from a shell: unescape newlines
         value = value.replace("\\n", "\n")
     return value
-
-
-class APIKeyMiddleware:
-    """Pure ASGI middleware (keeps streaming and disconnect detection intact)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or path in OPEN_PATHS \
-                or is_public_request(scope.get("method"), path):
-            return await self.app(scope, receive, send)
-        auth = b""
-        for k, v in scope.get("headers") or ():
-            if k == b"authorization":
-                auth = v
-                break
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
-            return await self.app(scope, receive, send)
-        msg = "Missing API key." if not auth else "Incorrect API key provided."
-        resp = JSONResponse(error_body(msg, 401, param=None, code="invalid_api_key"), status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
-        await resp(scope, receive, send)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -241,10 +211,23 @@ def build_app(async_engine: EngineFrontend, args: argparse.Namespace | None = No
         logger.exception("unhandled error")
         return _error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500))
 
-    api_key = getattr(args, "api_key", None) or os.environ.get("PAGEDSERVE_API_KEY") or None
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=http_metrics)  # outermost: counts 401s too
+    # Starlette runs the last added middleware first: CORS answers preflights before the key check,
+    # and the body cap applies to everyone.
+    api_keys = load_api_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    origins = getattr(args, "allowed_origins", None)
+    if origins:  # CORS stays off (browsers refuse cross-origin reads) unless origins are named
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=origins,
+                           allow_credentials=bool(getattr(args, "allow_credentials", False)),
+                           allow_methods=getattr(args, "allowed_methods", None) or ["*"],
+                           allow_headers=getattr(args, "allowed_headers", None) or ["*"])
+    max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    if max_body:
+        app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=http_metrics)  # outermost: counts 401s and 413s too
 
     # -- routes ---------------------------------------------------------------------------------
     @app.get("/health")

@@ -13,6 +13,7 @@ SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish w
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -21,14 +22,39 @@ import sys
 from pagedserve.engine.args import add_engine_args, config_from_args
 from pagedserve.errors import ConfigError
 from pagedserve.server.tgi.launcher_args import add_tgi_launcher_args, check_tgi_args
+from pagedserve.server.http_limits import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_TIMEOUT_REQUEST_HEADER
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", type=str, default="127.0.0.1", help="address to bind (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
-    g.add_argument("--api-key", type=str, default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (also env PAGEDSERVE_API_KEY)")
+    g.add_argument("--api-key", type=str, action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes; repeat the flag for several keys "
+                        "(else env PAGEDSERVE_API_KEY)")
+    g.add_argument("--api-key-file", type=str, default=None,
+                   help="a file with one API key per line (keeps keys out of the process list)")
+    g.add_argument("--ssl-keyfile", type=str, default=None, help="serve HTTPS: the private key file (PEM)")
+    g.add_argument("--ssl-certfile", type=str, default=None, help="serve HTTPS: the certificate file (PEM)")
+    g.add_argument("--ssl-ca-certs", type=str, default=None,
+                   help="CA certificates to verify client certificates with (see --ssl-cert-reqs)")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*; "
+                        "default: %(default)s)")
+    g.add_argument("--allowed-origins", type=_json_or_str_list, nargs="+", action="extend", default=None,
+                   help="enable CORS for these origins (a JSON list or plain values; default: CORS off)")
+    g.add_argument("--allowed-methods", type=_json_or_str_list, nargs="+", action="extend", default=None,
+                   help="CORS methods (default: all, when --allowed-origins is given)")
+    g.add_argument("--allowed-headers", type=_json_or_str_list, nargs="+", action="extend", default=None,
+                   help="CORS headers (default: all, when --allowed-origins is given)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="answer 413 to a larger request body, before parsing it (0: no cap; default: %(default)s)")
+    g.add_argument("--timeout-request-header", type=float, default=DEFAULT_TIMEOUT_REQUEST_HEADER,
+                   help="close a connection that has not sent a complete request head within this many seconds "
+                        "(idle and slowloris clients; default: %(default)s)")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="close an idle keep-alive connection after this many seconds (default: %(default)s)")
     g.add_argument("--chat-template", type=str, default=None,
                    help="Jinja chat template (a file or the template text) overriding the tokenizer's")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
@@ -57,6 +83,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s)")
     return parser
+
+
+def _json_or_str_list(v: str) -> list[str]:
+    """`'["https://a", "https://b"]'` (vLLM's form) or a plain value."""
+    v = v.strip()
+    if v.startswith("["):
+        try:
+            items = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return items
+    return [v]
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -132,7 +172,29 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY") or None
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):  # flatten the JSON-list form
+        v = getattr(args, name, None)
+        if v:
+            setattr(args, name, [x for item in v for x in item])
+    from pagedserve.server.auth import load_api_keys
+
+    try:
+        api_keys = load_api_keys(args.api_key, args.api_key_file)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        print("error: HTTPS needs both --ssl-keyfile and --ssl-certfile", file=sys.stderr)
+        return 2
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path and not os.path.isfile(path):
+            print(f"error: {flag}: no such file: {path}", file=sys.stderr)
+            return 2
+    if args.max_request_body_bytes < 0 or args.timeout_request_header <= 0 or args.timeout_keep_alive <= 0:
+        print("error: --max-request-body-bytes must be >= 0 and --timeout-request-header / --timeout-keep-alive "
+              "> 0", file=sys.stderr)
+        return 2
 
     signal.signal(signal.SIGTERM, _terminate)
 
@@ -143,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args.api_key = api_key
+    args.api_key, args.api_key_file = api_keys, None  # read once; never logged
     if args.api_server_count > 1:
         from pagedserve.server.api_servers import run_api_servers
 
@@ -178,10 +240,14 @@ def serve(args: argparse.Namespace, config, async_engine, sockets=None) -> int:
     from pagedserve.server.app import build_app
 
     log = logging.getLogger("pagedserve.server")
-    api_key = args.api_key
+    api_keys = args.api_key or []
     app = build_app(async_engine, args)
-    log.info("serving %s on http://%s:%d (max_model_len=%d)%s", app.state.ctx.model_name, args.host, args.port,
-             app.state.ctx.max_model_len, " with an API key" if api_key else "")
+    from pagedserve.server.http_limits import raise_open_files_limit, with_header_deadline
+
+    raise_open_files_limit()
+    scheme = "https" if args.ssl_certfile else "http"
+    log.info("serving %s on %s://%s:%d (max_model_len=%d)%s", app.state.ctx.model_name, scheme, args.host, args.port,
+             app.state.ctx.max_model_len, f" with {len(api_keys)} API key(s)" if api_keys else "")
     from pagedserve.generation_defaults import describe, generation_defaults
 
     log.info("%s", describe(*generation_defaults(config.generation_config, config.model)))
@@ -191,7 +257,12 @@ def serve(args: argparse.Namespace, config, async_engine, sockets=None) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
-        timeout_keep_alive=5,
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=with_header_deadline(args.timeout_request_header),
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
         lifespan="on",
     )
     server = uvicorn.Server(uv_config)
