@@ -47,6 +47,9 @@ class EngineFrontend:
         self._streams_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
         self._queued_tokens = 0  # prompt tokens of requests that have not been scheduled yet
+        # requests accepted but without a first output yet: counted here, at once, because the
+        # engine's stats snapshot lags a step behind and a burst would slip past the limit
+        self._queued_reqs = 0
         self._stats = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop requests come from
         # called on that loop with a reason when the engine is gone for good (the server exits)
@@ -111,7 +114,8 @@ class EngineFrontend:
         if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down")
         if self.max_num_queued_reqs is not None:
-            waiting = (getattr(self._stats, "num_waiting", 0) or 0) + self._num_pending_adds()
+            with self._streams_lock:
+                waiting = self._queued_reqs
             if waiting + num_requests > self.max_num_queued_reqs:
                 raise QueueFullError(
                     f"the server is overloaded: {waiting} requests are already waiting "
@@ -150,16 +154,43 @@ class EngineFrontend:
         Raises InvalidRequestError (bad input), QueueFullError, EngineShuttingDownError,
         EngineDeadError. If the caller is cancelled while waiting, the request is aborted.
         """
+        n_prompt = len(prompt_token_ids) if prompt_token_ids is not None else 0
+        if check_admission:
+            self.check_admission(1, n_prompt)
+        fut, stream = self._enqueue(request_id, prompt, params, prompt_token_ids, arrival_time)
+        return await self._accepted(request_id, fut, stream, params)
+
+    async def add_requests(self, requests: list[tuple], arrival_time: float | None = None) -> list[RequestStream]:
+        """Queue (request_id, prompt, params, prompt_token_ids) tuples all or none, after one admission
+        check for the whole batch. The check and the queueing happen without yielding to the event
+        loop, so a burst of concurrent callers cannot all pass the check before any of them counts."""
+        self.check_admission(len(requests), sum(len(r[3] or ()) for r in requests))
+        pending = []
+        try:
+            for rid, prompt, params, ids in requests:
+                pending.append((rid, *self._enqueue(rid, prompt, params, ids, arrival_time), params))
+        except BaseException:
+            for rid, *_ in pending:
+                self.abort(rid)
+            raise
+        results = await asyncio.gather(*(self._accepted(*p) for p in pending), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for rid, *_ in pending:
+                self.abort(rid)
+            raise next((e for e in errors if isinstance(e, asyncio.CancelledError)), errors[0])
+        return results
+
+    def _enqueue(self, request_id, prompt, params, prompt_token_ids, arrival_time):
+        """Register the stream and hand the add to the engine (synchronous: no await)."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
         arrival_time = time.time() if arrival_time is None else arrival_time
         n_prompt = len(prompt_token_ids) if prompt_token_ids is not None else 0
-        if check_admission:
-            self.check_admission(1, n_prompt)
-        elif not self._engine_alive():
+        if not self._engine_alive():
             raise EngineDeadError("the engine is not running")
-        elif not self._accepting:
+        if not self._accepting:
             raise EngineShuttingDownError("the server is shutting down")
         self.start()
         stream = RequestStream(request_id, loop, n_prompt, arrival_time)
@@ -168,8 +199,11 @@ class EngineFrontend:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
             self._streams[request_id] = stream
             self._queued_tokens += n_prompt
+            self._queued_reqs += 1
         kwargs = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids, arrival_time=arrival_time)
-        fut = self._submit_add(request_id, stream, kwargs)
+        return self._submit_add(request_id, stream, kwargs), stream
+
+    async def _accepted(self, request_id, fut, stream, params) -> RequestStream:
         try:
             await fut
         except asyncio.CancelledError:
@@ -179,7 +213,7 @@ class EngineFrontend:
             self._forget(request_id)
             raise
         if self.log_requests:
-            logger.info("Added request %s: %d prompt tokens, params=%s", request_id, n_prompt, params)
+            logger.info("Added request %s: %d prompt tokens, params=%s", request_id, stream.num_prompt_tokens, params)
         return stream
 
     async def generate(self, request_id: str, prompt=None, params=None, prompt_token_ids=None):
@@ -203,6 +237,7 @@ class EngineFrontend:
             if not stream.dequeued:
                 stream.dequeued = True
                 self._queued_tokens -= stream.num_prompt_tokens
+                self._queued_reqs -= 1
         self._send_abort(request_id)
         self._call_observer("on_request_aborted", stream, time.time())
         stream._push(_ABORTED)
@@ -215,6 +250,7 @@ class EngineFrontend:
             if stream is not None and not stream.dequeued:
                 stream.dequeued = True
                 self._queued_tokens -= stream.num_prompt_tokens
+                self._queued_reqs -= 1
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -238,6 +274,7 @@ class EngineFrontend:
             streams = list(self._streams.values())
             self._streams.clear()
             self._queued_tokens = 0
+            self._queued_reqs = 0
         for s in streams:
             self._push_to(s, err)
 
@@ -284,6 +321,7 @@ class EngineFrontend:
                 if not stream.dequeued:
                     stream.dequeued = True
                     self._queued_tokens -= stream.num_prompt_tokens
+                    self._queued_reqs -= 1
                 if out.finished:
                     self._streams.pop(out.request_id, None)
                     stream.finished = True

@@ -29,8 +29,9 @@ def check_fits(config: EngineConfig, num_blocks: int) -> None:
     need = -(-config.max_model_len // config.block_size)
     if num_blocks < need:
         raise ConfigError(
-            f"the KV cache holds {num_blocks} blocks ({num_blocks * config.block_size} tokens), fewer than one "
-            f"sequence of max_model_len={config.max_model_len} needs ({need} blocks); raise --kv-cache-space / "
+            f"the maximum model length is {config.max_model_len} tokens, but the KV cache holds only {num_blocks} "
+            f"blocks ({num_blocks * config.block_size} tokens), fewer than one such sequence needs ({need} blocks); "
+            "raise --kv-cache-space (or free memory) / "
             f"--gpu-memory-utilization / --num-gpu-blocks-override, or lower --max-model-len to "
             f"{num_blocks * config.block_size}"
         )

@@ -5,6 +5,8 @@ context gathers) is vectorised with numpy; Python loops run over sequences, neve
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -74,9 +76,18 @@ class ModelRunner:
 
     # ---- the KV cache -----------------------------------------------------------------------
     def num_kv_blocks(self) -> int:
-        """KV-cache blocks: --num-gpu-blocks-override, else --kv-cache-space GiB."""
+        """KV-cache blocks: --num-gpu-blocks-override, else --kv-cache-space GiB, capped to the memory
+        available at start (runner/host_memory.py: a lazily mapped pool larger than memory would fail
+        under load, not at start)."""
         cfg = self.config
-        return num_blocks_for_budget(cfg, self.model.spec, self.dtype, int(cfg.kv_cache_space * GiB))
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        from pagedserve.runner import host_memory
+
+        budget, note = host_memory.kv_budget_bytes(int(cfg.kv_cache_space * GiB), host_memory.available_bytes())
+        if note:
+            logging.getLogger("pagedserve").warning("%s", note)
+        return num_blocks_for_budget(cfg, self.model.spec, self.dtype, budget)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv = KVCache(self.model.spec, num_blocks, self.block_size, self.dtype, self.device,

@@ -323,28 +323,16 @@ class OpenAIServing:
             if p.max_tokens is None and default_max is not None and len(ids) < self.ctx.max_model_len:
                 p.max_tokens = min(default_max, self.ctx.max_model_len - len(ids))
         try:
-            self.engine.check_admission(len(prompts), sum(len(ids) for _, ids in prompts))
-        except Exception as e:  # noqa: BLE001
-            raise engine_error_to_api(e, self.ctx.metrics) from None
-        arrival = time.time()
-        coros = [
-            self.engine.add_request(rid, prompt=text, params=p, prompt_token_ids=ids, arrival_time=arrival,
-                                    check_admission=False)
-            for rid, (text, ids), p in zip(request_ids, prompts, params)
-        ]
-        results = await asyncio.gather(*coros, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for rid in request_ids:
-                self.engine.abort(rid)
-            for e in errors:
-                if isinstance(e, asyncio.CancelledError):
-                    raise e
-            err = engine_error_to_api(errors[0], self.ctx.metrics)
+            return await self.engine.add_requests(
+                [(rid, text, p, ids) for rid, (text, ids), p in zip(request_ids, prompts, params)],
+                arrival_time=time.time())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - engine errors become OpenAI errors
+            err = engine_error_to_api(e, self.ctx.metrics)
             if err.param == "max_tokens" and max_tokens_param != "max_tokens":
                 err.param, err.message = max_tokens_param, err.message.replace("max_tokens", max_tokens_param)
             raise err from None
-        return list(results)
 
     def abort_all(self, request_ids: list[str]) -> None:
         for rid in request_ids:
