@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fuzz_server's /metrics helpers
+
 MODES = ("before_first_byte", "during_prefill", "mid_stream", "complete")
 WEIGHTS = (0.25, 0.25, 0.4, 0.1)
 SHARED_PREFIX = "You are a helpful assistant who answers briefly. " * 4
@@ -98,27 +100,13 @@ async def storm(base_url: str, n: int, concurrency: int, seed: int = 0, model: s
         return {"requests": n, "seconds": round(time.time() - t0, 1), "counts": dict(sorted(counts.items()))}
 
 
-def server_state(base_url: str) -> dict:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    vals: dict = {}
-    for fam in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text):
-        for smp in fam.samples:
-            vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
-    return {"running": vals.get("pagedserve:num_requests_running"), "waiting": vals.get("pagedserve:num_requests_waiting"),
-            "kv_cache_usage": vals.get("pagedserve:kv_cache_usage_perc"),
-            "preemptions": vals.get("pagedserve:num_preemptions_total"),
-            "prefix_hits": vals.get("pagedserve:prefix_cache_hits_total")}
-
-
 def wait_idle(base_url: str, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = server_state(base_url)
-        if (st["running"], st["waiting"], st["kv_cache_usage"]) == (0, 0, 0) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
+    import httpx
+
+    from fuzz_server import wait_idle as wait_client_idle
+
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        return wait_client_idle(client, timeout)
 
 
 def process_resources(pid: int) -> dict:

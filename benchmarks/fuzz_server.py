@@ -211,7 +211,7 @@ def problem(resp) -> str | None:
 
 
 def pool_state(client) -> dict:
-    """running / waiting / KV usage from /metrics."""
+    """running / waiting / KV usage (and preemptions, prefix-cache hits) from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     vals = {}
@@ -220,7 +220,9 @@ def pool_state(client) -> dict:
             vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
     return {"running": vals.get("pagedserve:num_requests_running", -1),
             "waiting": vals.get("pagedserve:num_requests_waiting", -1),
-            "kv_cache_usage": vals.get("pagedserve:kv_cache_usage_perc", -1)}
+            "kv_cache_usage": vals.get("pagedserve:kv_cache_usage_perc", -1),
+            "preemptions": vals.get("pagedserve:num_preemptions_total", 0),
+            "prefix_hits": vals.get("pagedserve:prefix_cache_hits_total", 0)}
 
 
 def wait_idle(client, timeout: float = 30.0) -> dict:
