@@ -296,9 +296,9 @@ def build_app(async_engine: EngineFrontend, args: argparse.Namespace | None = No
             return bool(getattr(server, "should_exit", False)) or not async_engine.accepting
 
         app.state.stats_feed = mount_web_ui(
-            app, read_metrics=lambda: metrics.render()[0], api_key_required=bool(api_key),
+            app, read_metrics=lambda: metrics.render()[0], api_key_required=bool(api_keys),
             configuration=lambda kv_blocks: engine_configuration(async_engine, args, names, _version(), kv_blocks,
-                                                                 bool(api_key)),
+                                                                 bool(api_keys)),
             alive=async_engine.is_alive, shutting_down=shutting_down,
             doctor_config=lambda: {k: v for k, v in dataclasses.asdict(async_engine.config).items() if k != "extra"})
 
