@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-LIBS = ["libpagedserve_cpu.so", "libpagedserve_ops.so", "libpagedserve_gemm.so"]
+LIBS = ["libpagedserve_cpu.so", "libpagedserve_ops.so", "libpagedserve_gemm.so", "libpagedserve_quant.so"]
 
 
 def _python(args: list[str], cache, **env) -> subprocess.CompletedProcess:
