@@ -129,8 +129,13 @@ def test_idle_server_is_healthy_and_text_output(servers, capsys):
 def test_doctor_reads_a_bench_serve_result(servers, capsys, tmp_path):
     srv = servers["two_seqs"]
     result = tmp_path / "s1.json"
-    rc = main(["bench", "serve", "--base-url", srv.base_url, "--num-prompts", "12", "--max-concurrency", "6",
-               "--random-input-len", "16", "--random-output-len", "24", "--ignore-eos", "--disable-tqdm",
+    # a warm-up run first: the first steps after start are slow, and a slow first request raises the
+    # fastest TTFT the diagnosis compares with. Long outputs make each wave of 2 hold the 4 waiting
+    # requests for many steps, so their TTFTs stand well apart from the fastest one's.
+    common = ["bench", "serve", "--base-url", srv.base_url, "--random-input-len", "16", "--ignore-eos",
+              "--disable-tqdm"]
+    assert main([*common, "--num-prompts", "2", "--random-output-len", "4"]) == 0
+    rc = main([*common, "--num-prompts", "12", "--max-concurrency", "6", "--random-output-len", "96",
                "--result-json", str(result)])
     assert rc == 0
     rc, rep = doctor(capsys, "--bench", result, "--url", srv.base_url)
