@@ -4,7 +4,7 @@ Not part of CI. Builds both versions with the engine's flags, then alternates th
 on batches shaped like the workloads' attention calls, checks that both give the same output, and
 prints median milliseconds and B/A speed ratios (> 1: this checkout is faster):
 
-    python benchmarks/cpu_attention_ab.py --base fb048ad          # against session 3's kernel
+    python benchmarks/cpu_attention_ab.py --base fb048ad          # against an older kernel
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --cases W1-decode,prompt-512
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --dtype bfloat16    # bfloat16 caches and queries
     python benchmarks/cpu_attention_ab.py --base HEAD~1 --cold     # caches evicted before every call

@@ -1,7 +1,7 @@
 """Is this host steady enough to benchmark on? (issue #8)
 
 A shared VM's vCPUs can land on one physical core, or share its AMX unit with a neighbour, without
-any steal showing in vmstat: on the AMX Xeon of session 26 a bf16 GEMM of the small model's
+any steal showing in vmstat: on an AMX Xeon host a bf16 GEMM of the small model's
 gate/up shape ran 300-900 GFLOP/s on one thread, and for long stretches two threads were no faster
 than one. Run this before and after each A/B pair and set aside pairs taken in a slow phase.
 

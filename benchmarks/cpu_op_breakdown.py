@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--workload", default="W1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=None)
-    # the sittings' size (compare_vllm_cpu.sh, KVCACHE_GIB): the engine's default 4 GiB holds only
+    # the size the vLLM comparison uses (compare_vllm_cpu.sh, KVCACHE_GIB): the engine's default 4 GiB holds only
     # ~170 of W1's 256 sequences of the medium model in float32, so its batches would be smaller
     p.add_argument("--kv-cache-space", type=float, default=6.0, help="GiB of KV cache (default: %(default)s)")
     args = p.parse_args()

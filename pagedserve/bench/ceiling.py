@@ -1,7 +1,7 @@
 """The machine's GEMM ceiling on a model's own layer shapes, measured in the benchmark's process.
 
 Achieved FLOP/s only means something next to what the hardware reaches on the same matrices in
-the same sitting. For each linear of a decoder layer and the LM head this times torch's plain
+the same run. For each linear of a decoder layer and the LM head this times torch's plain
 `linear` and, on the CPU, oneDNN with the weight prepacked and our native GEMM (float32, or
 bfloat16 weights widened in the kernel: the path our CPU layers take where it builds and is the
 faster), keeps the fastest per shape, and reports FLOPs / time over

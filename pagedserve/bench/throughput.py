@@ -1,6 +1,6 @@
 """Offline engine throughput on the standard workloads, with transformers `generate` beside it.
 
-Runs are alternated (ours, baseline, ours, ...) in one process and sitting; medians are reported.
+Runs are alternated (ours, baseline, ours, ...) in one process and run; medians are reported.
 """
 from __future__ import annotations
 
